@@ -1,0 +1,395 @@
+"""`SwarmClient`: the synchronous Python client of the swarm server's HTTP API.
+
+Small typed surface, private helpers behind it (httpx's model). Every request has a
+timeout, every wait a deadline; server errors become `ajet.errors.SwarmHTTPError`
+subclasses carrying the server's `detail` and `hint`.
+
+Compatibility path: `from ajet.tuner_lib.experimental.swarm_client import SwarmClient`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import httpx
+from pydantic import BaseModel
+
+from ajet.copilot.job import AgentJetJob
+from ajet.errors import (
+    EngineStateConflict,
+    SwarmConnectionError,
+    SwarmError,
+    SwarmTimeout,
+    error_for_status,
+)
+from ajet.protocol import (
+    AuditPage,
+    BeginEpisodeResponse,
+    CodeSyncResult,
+    ConfigAccepted,
+    EndEpisodeResponse,
+    EngineState,
+    EngineStatus,
+    GCResult,
+    LogsResponse,
+    MetricsResponse,
+    RunPublic,
+    RunsPage,
+    SnapshotPublic,
+    SnapshotsPage,
+    StopEngineResponse,
+    VersionResponse,
+)
+
+__all__ = ["SwarmClient"]
+
+log = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+#: States in which the engine serves episodes.
+SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING)
+_LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+
+
+class SwarmClient:
+    """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
+
+    `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
+    `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
+    started when none answers, and stopped again by `close()` (or the `with` block).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        token: str | None = None,
+        *,
+        timeout: float = 30.0,
+        auto_start_swarm_server: bool = False,
+        swarm_workdir: str | os.PathLike[str] | None = None,
+        server_start_timeout: float = 30.0,
+        server_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.server_url = server_url.rstrip("/")
+        if token is None:
+            token = os.environ.get("AJET_SWARM_TOKEN") or os.environ.get("AJET_SWARM_WORKER_TOKEN")
+        self._token = token or None
+        self._timeout = timeout
+        self._server_process: subprocess.Popen[bytes] | None = None
+        self._server_log: Path | None = None
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
+        if auto_start_swarm_server:
+            self._ensure_local_server(
+                workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),
+                deadline_s=server_start_timeout,
+                env=server_env,
+            )
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Close the connection; stop the server if this client started it."""
+        self._http.close()
+        proc, self._server_process = self._server_process, None
+        if proc is not None and proc.poll() is None:
+            log.info("stopping the local swarm server this client started (pid %s)", proc.pid)
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def started_server_pid(self) -> int | None:
+        """Pid of the local server this client started, if any."""
+        return self._server_process.pid if self._server_process else None
+
+    # ------------------------------------------------------------------ control
+
+    def health(self) -> bool:
+        """True if the server answers `/health`."""
+        try:
+            return self._http.get("/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def version(self) -> VersionResponse:
+        return self._call("GET", "/version", model=VersionResponse)
+
+    def get_engine_status(self) -> EngineStatus:
+        """The engine state (`ENGINE.*`), current run, active snapshot and last error."""
+        return self._call("GET", "/get_engine_status", model=EngineStatus)
+
+    def sync_train_config(self, job: AgentJetJob | str) -> ConfigAccepted:
+        """Send a job (model or YAML text). Accepted only while the engine is OFFLINE."""
+        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
+
+    def start_engine(self, *, force_restart: bool = False, wait: bool = False,
+                     wait_timeout: float = 300.0) -> EngineStatus:
+        """Start the engine with the current config; optionally wait until it serves."""
+        self._call("POST", "/start_engine", json={"force_restart": force_restart})
+        if wait:
+            return self.wait_for_state(SERVING_STATES, timeout=wait_timeout)
+        return self.get_engine_status()
+
+    def stop_engine(self, *, reason: str = "stopped by request") -> StopEngineResponse:
+        """Stop the engine (idempotent); says whether anything was running."""
+        return self._call("POST", "/stop_engine", json={"reason": reason},
+                          model=StopEngineResponse, timeout=max(self._timeout, 60.0))
+
+    def auto_sync_train_config_and_start_engine(
+        self, job: AgentJetJob, force_restart: bool = False, *, wait_timeout: float = 300.0
+    ) -> EngineStatus:
+        """Send `job` and start the engine, waiting until it serves episodes.
+
+        If the engine runs already: with `force_restart` it is stopped, reconfigured and
+        restarted; without, `EngineStateConflict` is raised.
+        """
+        status = self.get_engine_status()
+        if status.state != EngineState.OFFLINE:
+            if not force_restart:
+                raise EngineStateConflict(
+                    409, f"engine is {status.state}",
+                    "call stop_engine() first or pass force_restart=True",
+                    method="POST", path="/sync_train_config",
+                )
+            self.stop_engine(reason="auto_sync_train_config_and_start_engine(force_restart=True)")
+        self.sync_train_config(job)
+        return self.start_engine(wait=True, wait_timeout=wait_timeout)
+
+    def wait_for_state(self, states: EngineState | tuple[EngineState, ...], *,
+                       timeout: float = 300.0, poll_interval: float = 0.1) -> EngineStatus:
+        """Poll until the engine is in one of `states`.
+
+        Raises `SwarmError` with the engine's `last_error` if it falls back to OFFLINE
+        while waiting for another state, and `SwarmTimeout` past the deadline.
+        """
+        wanted = (states,) if isinstance(states, EngineState) else tuple(states)
+        deadline = time.monotonic() + timeout
+        seen_other = False
+        while True:
+            status = self.get_engine_status()
+            if status.state in wanted:
+                return status
+            if status.state == EngineState.OFFLINE and EngineState.OFFLINE not in wanted:
+                if seen_other or status.last_error is not None:
+                    err = status.last_error
+                    reason = err.reason if err else "engine is OFFLINE"
+                    tail = "\n".join(err.log_tail[-20:]) if err else ""
+                    raise SwarmError(f"engine went OFFLINE while waiting: {reason}\n{tail}".strip())
+            else:
+                seen_other = True
+            if time.monotonic() > deadline:
+                raise SwarmTimeout(
+                    f"engine still {status.state} after {timeout:.0f}s waiting for "
+                    f"{', '.join(s.value for s in wanted)}; check get_run_logs()"
+                )
+            time.sleep(poll_interval)
+
+    # ------------------------------------------------------------------ code (issue 4)
+
+    def sync_train_code_from_dir(self, path: str | os.PathLike[str],
+                                 force_restart: bool = False) -> CodeSyncResult:
+        """Sync the git-tracked files under `<path>/ajet` incrementally (manifest, blobs, commit)."""
+        from ajet.code_sync import push_tree
+
+        return push_tree(self, Path(path), force_restart=force_restart)
+
+    def sync_train_code(self, zip_path: str | os.PathLike[str],
+                        force_restart: bool = False) -> CodeSyncResult:
+        """One-shot upload of a zip whose members all live under `ajet/`."""
+        data = Path(zip_path).read_bytes()
+        return self._call(
+            "POST", "/sync_train_code", content=data,
+            params={"force_restart": str(force_restart).lower()},
+            headers={"Content-Type": "application/zip"},
+            model=CodeSyncResult, timeout=max(self._timeout, 300.0),
+        )
+
+    def get_active_code(self) -> SnapshotPublic | None:
+        """The active snapshot, or None when the server runs its own code."""
+        data = self._call("GET", "/code")
+        return SnapshotPublic.model_validate(data) if data else None
+
+    def list_snapshots(self) -> SnapshotsPage:
+        return self._call("GET", "/code/snapshots", model=SnapshotsPage)
+
+    def activate_snapshot(self, snapshot_id: str, *, force_restart: bool = False) -> CodeSyncResult:
+        """Re-activate an earlier snapshot (or 'server' for the server's own code)."""
+        return self._call("POST", "/code/activate",
+                          json={"snapshot_id": snapshot_id, "force_restart": force_restart},
+                          model=CodeSyncResult, timeout=max(self._timeout, 120.0))
+
+    def get_blob(self, sha256: str) -> bytes:
+        """One file's bytes from the server's blob store, by content hash."""
+        return self._call_raw("GET", f"/code/blobs/{sha256}").content
+
+    def gc_snapshots(self, *, keep: int | None = None) -> GCResult:
+        params = {"keep": keep} if keep is not None else None
+        return self._call("POST", "/code/gc", params=params, model=GCResult)
+
+    # ------------------------------------------------------------------ runs (issue 5)
+
+    def list_runs(self, *, experiment_name: str | None = None, status: str | None = None,
+                  offset: int = 0, limit: int = 20) -> RunsPage:
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
+        if experiment_name:
+            params["experiment_name"] = experiment_name
+        if status:
+            params["status"] = status
+        return self._call("GET", "/runs", params=params, model=RunsPage)
+
+    def get_run(self, run_id: str) -> RunPublic:
+        return self._call("GET", f"/runs/{run_id}", model=RunPublic)
+
+    def get_metrics(self, run_id: str = "current", *, since_step: int | None = None,
+                    fields: list[str] | None = None, max_points: int | None = None
+                    ) -> MetricsResponse:
+        """Per-step metrics of a run ('current' = the engine's run)."""
+        params: dict[str, Any] = {}
+        if since_step is not None:
+            params["since_step"] = since_step
+        if fields:
+            params["fields"] = ",".join(fields)
+        if max_points is not None:
+            params["max_points"] = max_points
+        return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
+
+    def get_run_logs(self, run_id: str = "current", *, tail: int = 100,
+                     grep: str | None = None) -> LogsResponse:
+        params: dict[str, Any] = {"tail": tail}
+        if grep:
+            params["grep"] = grep
+        return self._call("GET", f"/runs/{run_id}/logs", params=params, model=LogsResponse)
+
+    def get_audit(self, *, offset: int = 0, limit: int = 100) -> AuditPage:
+        return self._call("GET", "/audit", params={"offset": offset, "limit": limit},
+                          model=AuditPage)
+
+    def compare_runs(self, run_ids: list[str], metric: str = "reward_mean") -> dict[str, Any]:
+        """Per run: snapshot id, config differences between the runs, metric first/last/best."""
+        from ajet.run_compare import compare_runs
+
+        return compare_runs(self, run_ids, metric)
+
+    # ------------------------------------------------------------------ episodes (issue 3)
+
+    def begin_episode(self, discard_episode_timeout: float | None = None,
+                      **metadata: Any) -> BeginEpisodeResponse:
+        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it."""
+        body: dict[str, Any] = {"metadata": metadata}
+        if discard_episode_timeout is not None:
+            body["discard_episode_timeout"] = discard_episode_timeout
+        return self._call("POST", "/begin_episode", json=body, model=BeginEpisodeResponse)
+
+    def end_episode(self, episode_uuid: str, task_id: str, reward: float, *,
+                    is_success: bool | None = None, metadata: dict[str, Any] | None = None,
+                    log_metrics: dict[str, float] | None = None) -> EndEpisodeResponse:
+        """Report an episode's reward; the engine trains on it."""
+        body = {"episode_uuid": episode_uuid, "task_id": str(task_id), "reward": reward,
+                "is_success": is_success, "metadata": metadata or {},
+                "log_metrics": log_metrics or {}}
+        return self._call("POST", "/end_episode", json=body, model=EndEpisodeResponse)
+
+    def abort_episode(self, episode_uuid: str, *, reason: str = "aborted") -> None:
+        """Give an episode up; its slot is re-queued for another worker."""
+        self._call("POST", "/abort_episode", json={"episode_uuid": episode_uuid, "reason": reason})
+
+    # ------------------------------------------------------------------ private
+
+    def _call(self, method: str, path: str, *, model: type[_M] | None = None,
+              **kwargs: Any) -> Any:
+        response = self._call_raw(method, path, **kwargs)
+        if model is not None:
+            return model.model_validate(response.json())
+        return response.json() if response.content else None
+
+    def _call_raw(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise SwarmConnectionError(
+                f"{method} {path}: no answer from {self.server_url} in time ({exc})"
+            ) from exc
+        except httpx.HTTPError as exc:
+            raise SwarmConnectionError(
+                f"{method} {path}: cannot reach swarm server at {self.server_url} ({exc}); "
+                "is `ajet-swarm start` running there?"
+            ) from exc
+        if response.status_code >= 400:
+            detail: Any = response.text
+            hint = ""
+            try:
+                body = response.json()
+                if isinstance(body, dict):
+                    detail = body.get("detail", body)
+                    hint = str(body.get("hint", "") or "")
+            except ValueError:
+                pass
+            raise error_for_status(response.status_code, detail, hint, method=method, path=path)
+        return response
+
+    def _ensure_local_server(self, *, workdir: Path, deadline_s: float,
+                             env: Mapping[str, str] | None) -> None:
+        if self.health():
+            return
+        parts = urlsplit(self.server_url)
+        if parts.hostname not in _LOOPBACK_HOSTS or parts.port is None:
+            raise SwarmConnectionError(
+                f"auto_start_swarm_server needs a localhost URL with a port, got {self.server_url}; "
+                "start the server on the cluster with `ajet-swarm start --swarm-port=10086`"
+            )
+        workdir.mkdir(parents=True, exist_ok=True)
+        self._server_log = workdir / "swarm_server.log"
+        cmd = [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={parts.port}",
+               "--host", "127.0.0.1", "--workdir", str(workdir)]
+        child_env = {**os.environ, **(env or {})}
+        if self._token and "AJET_SWARM_TOKEN" not in child_env:
+            child_env["AJET_SWARM_TOKEN"] = self._token
+        log.info("starting a local swarm server: %s (log: %s)", " ".join(cmd), self._server_log)
+        with open(self._server_log, "ab") as log_file:
+            self._server_process = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=child_env, cwd=workdir, start_new_session=True,
+            )
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            if self.health():
+                return
+            if self._server_process.poll() is not None:
+                tail = _tail(self._server_log, 20)
+                self._server_process = None
+                raise SwarmConnectionError(
+                    f"the local swarm server exited at start:\n{tail}"
+                )
+            time.sleep(0.1)
+        self.close()
+        raise SwarmTimeout(
+            f"local swarm server not healthy after {deadline_s:.0f}s; see {self._server_log}"
+        )
+
+
+def _tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text("utf-8", errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
+

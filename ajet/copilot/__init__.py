@@ -1,0 +1,1 @@
+"""Job descriptions an AgentJet user writes (compatibility path `ajet.copilot.job`)."""

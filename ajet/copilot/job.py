@@ -1,0 +1,136 @@
+"""`AgentJetJob`: the validated description of one training job.
+
+A job is what a user or agent writes on the laptop and sends with
+`SwarmClient.sync_train_config(job)`; the server stores its YAML and the engine turns it
+into its own config (`ajet.engine.config`). Defaults live in
+`ajet/default_config/job.yaml` and run on a CPU with the built-in `ajet-tiny` model.
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = ["AgentJetJob", "JobValidationError", "default_job_values"]
+
+
+@functools.cache
+def default_job_values() -> dict[str, Any]:
+    """The defaults from `ajet/default_config/job.yaml`."""
+    text = resources.files("ajet").joinpath("default_config/job.yaml").read_text("utf-8")
+    return dict(yaml.safe_load(text))
+
+
+def _default(name: str) -> Any:
+    return default_job_values()[name]
+
+
+class JobValidationError(ValueError):
+    """A job's YAML is malformed or a field is invalid; `errors` names each field."""
+
+    def __init__(self, message: str, errors: list[dict[str, Any]]) -> None:
+        super().__init__(message)
+        self.errors = errors
+
+
+class AgentJetJob(BaseModel):
+    """One GRPO training job. Unknown keys are rejected, so a typo never goes unnoticed."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    experiment_name: str = Field(
+        default_factory=lambda: _default("experiment_name"),
+        min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
+        description="Name that groups runs; letters, digits, '_', '-', '.'",
+    )
+    algorithm: Literal["grpo"] = Field(default="grpo", description="Only GRPO is implemented")
+    model: str = Field(
+        default_factory=lambda: _default("model"), min_length=1, max_length=1000,
+        description="'ajet-tiny' (built locally) or a Hugging Face checkpoint directory on the server",
+    )
+    n_gpu: int = Field(default_factory=lambda: _default("n_gpu"), ge=0, le=1024,
+                       description="GPUs per node; >1 launches torchrun; 0 runs on CPU")
+    n_proc: int = Field(default_factory=lambda: _default("n_proc"), ge=1, le=1024,
+                        description="Processes per node when n_gpu is 0 (CPU, gloo)")
+    nnodes: int = Field(default_factory=lambda: _default("nnodes"), ge=1, le=1024)
+    node_rank: int = Field(default_factory=lambda: _default("node_rank"), ge=0)
+    rdzv_endpoint: str | None = Field(default_factory=lambda: _default("rdzv_endpoint"),
+                                      description="host:port of the torchrun rendezvous (nnodes > 1)")
+    batch_size: int = Field(default_factory=lambda: _default("batch_size"), ge=1, le=100_000,
+                            description="Task groups per training step")
+    num_repeat: int = Field(default_factory=lambda: _default("num_repeat"), ge=1, le=1024,
+                            description="Episodes per task group (GRPO group size)")
+    lr: float = Field(default_factory=lambda: _default("lr"), gt=0, le=1.0)
+    ppo_epochs: int = Field(default_factory=lambda: _default("ppo_epochs"), ge=1, le=100)
+    clip_ratio: float = Field(default_factory=lambda: _default("clip_ratio"), gt=0, le=10)
+    kl_coef: float = Field(default_factory=lambda: _default("kl_coef"), ge=0, le=100)
+    max_grad_norm: float = Field(default_factory=lambda: _default("max_grad_norm"), gt=0)
+    max_prompt_length: int = Field(default_factory=lambda: _default("max_prompt_length"),
+                                   ge=1, le=1_000_000)
+    max_response_length: int = Field(default_factory=lambda: _default("max_response_length"),
+                                     ge=1, le=1_000_000)
+    max_new_tokens: int = Field(default_factory=lambda: _default("max_new_tokens"), ge=1,
+                                le=1_000_000, description="Tokens sampled per completion")
+    temperature: float = Field(default_factory=lambda: _default("temperature"), gt=0, le=10)
+    top_p: float = Field(default_factory=lambda: _default("top_p"), gt=0, le=1)
+    seed: int = Field(default_factory=lambda: _default("seed"), ge=0)
+    save_every: int = Field(default_factory=lambda: _default("save_every"), ge=0,
+                            description="Checkpoint every N steps; 0 = only at stop")
+    max_steps: int = Field(default_factory=lambda: _default("max_steps"), ge=0,
+                           description="Stop after N steps; 0 = until stopped")
+    episode_timeout_s: float = Field(default_factory=lambda: _default("episode_timeout_s"),
+                                     gt=0, le=86_400,
+                                     description="A claimed episode idle this long is re-queued")
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> AgentJetJob:
+        if self.max_new_tokens > self.max_response_length:
+            raise ValueError("max_new_tokens must not exceed max_response_length")
+        if self.node_rank >= self.nnodes:
+            raise ValueError("node_rank must be smaller than nnodes")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        return self
+
+    # ------------------------------------------------------------------ YAML
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def dump_yaml(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml(), encoding="utf-8")
+
+    @classmethod
+    def from_yaml(cls, text: str) -> AgentJetJob:
+        """Parse and validate; raises `JobValidationError` naming each bad field."""
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise JobValidationError(
+                f"not valid YAML: {exc}", [{"loc": [], "msg": f"not valid YAML: {exc}"}]
+            ) from exc
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise JobValidationError(
+                "the job YAML must be a mapping of field: value",
+                [{"loc": [], "msg": "expected a mapping of field: value"}],
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            errors = [
+                {"loc": [str(p) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+                for e in exc.errors()
+            ]
+            fields = ", ".join(".".join(e["loc"]) or "(job)" for e in errors)
+            raise JobValidationError(f"invalid job field(s): {fields}", errors) from exc
+
+    @classmethod
+    def load_yaml(cls, path: str | Path) -> AgentJetJob:
+        return cls.from_yaml(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,104 @@
+"""Exceptions raised by the AgentJet client side.
+
+    SwarmError                       base of everything below
+    ├── SwarmConnectionError         server unreachable, or a request timed out
+    ├── SwarmTimeout                 a bounded wait (e.g. for ENGINE.ROLLING) ran past its deadline
+    ├── PackagingError               the local tree cannot be packaged (not git, symlink, too big)
+    └── SwarmHTTPError               the server answered with an error status
+        ├── SwarmAuthError           401 / 403: token missing, wrong, or lacks the role
+        ├── SwarmNotFound            404: unknown run, snapshot, episode or blob
+        ├── EngineStateConflict      409: the engine is in the wrong state for this call
+        ├── PayloadTooLarge          413: an upload passed a server limit
+        └── SwarmValidationError     400 / 422: bad input; `detail` names the field
+
+Every `SwarmHTTPError` carries the server's `detail` and `hint` (what to call next).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "EngineStateConflict",
+    "PackagingError",
+    "PayloadTooLarge",
+    "SwarmAuthError",
+    "SwarmConnectionError",
+    "SwarmError",
+    "SwarmHTTPError",
+    "SwarmNotFound",
+    "SwarmTimeout",
+    "SwarmValidationError",
+    "error_for_status",
+]
+
+
+class SwarmError(Exception):
+    """Base class of every AgentJet client error."""
+
+
+class SwarmConnectionError(SwarmError):
+    """The swarm server could not be reached or did not answer in time."""
+
+
+class SwarmTimeout(SwarmError):
+    """A bounded wait ran past its deadline; the message says what was awaited."""
+
+
+class PackagingError(SwarmError):
+    """The local `ajet/` tree cannot be packaged; nothing was uploaded."""
+
+
+class SwarmHTTPError(SwarmError):
+    """The server answered with an error status."""
+
+    def __init__(self, status: int, detail: Any, hint: str = "", *, method: str = "",
+                 path: str = "") -> None:
+        self.status = status
+        self.detail = detail
+        self.hint = hint
+        self.method = method
+        self.path = path
+        where = f"{method} {path} -> " if method else ""
+        text = f"{where}{status}: {detail}"
+        if hint:
+            text += f" (hint: {hint})"
+        super().__init__(text)
+
+
+class SwarmAuthError(SwarmHTTPError):
+    """401/403: set AJET_SWARM_TOKEN (control) or AJET_SWARM_WORKER_TOKEN (episodes)."""
+
+
+class SwarmNotFound(SwarmHTTPError):
+    """404: the id does not exist on this server."""
+
+
+class EngineStateConflict(SwarmHTTPError):
+    """409: the engine's state does not allow this call now."""
+
+
+class PayloadTooLarge(SwarmHTTPError):
+    """413: an upload passed one of the server's limits."""
+
+
+class SwarmValidationError(SwarmHTTPError):
+    """400/422: the request was malformed or a field is invalid."""
+
+
+_BY_STATUS: dict[int, type[SwarmHTTPError]] = {
+    400: SwarmValidationError,
+    401: SwarmAuthError,
+    403: SwarmAuthError,
+    404: SwarmNotFound,
+    409: EngineStateConflict,
+    413: PayloadTooLarge,
+    422: SwarmValidationError,
+}
+
+
+def error_for_status(status: int, detail: Any, hint: str = "", *, method: str = "",
+                     path: str = "") -> SwarmHTTPError:
+    """The most specific `SwarmHTTPError` subclass for an HTTP status."""
+    cls = _BY_STATUS.get(status, SwarmHTTPError)
+    return cls(status, detail, hint, method=method, path=path)

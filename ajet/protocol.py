@@ -1,0 +1,345 @@
+"""Wire models shared by the swarm server, the client and the engine's private channel.
+
+Every HTTP body that crosses a process boundary is one of these pydantic models, so the
+server (`swarm_server`), the client (`ajet.client`) and the engine (`ajet.engine`) agree
+on one definition. This module imports nothing heavy: the laptop side imports it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "AbortEpisodeRequest",
+    "ActivateRequest",
+    "AuditEntry",
+    "AuditPage",
+    "BeginEpisodeRequest",
+    "BeginEpisodeResponse",
+    "CodeSyncResult",
+    "CommitRequest",
+    "ConfigAccepted",
+    "EndEpisodeRequest",
+    "EndEpisodeResponse",
+    "EngineReport",
+    "EngineState",
+    "EngineStatus",
+    "ErrorBody",
+    "FileEntry",
+    "GCResult",
+    "HealthResponse",
+    "LastError",
+    "LogsResponse",
+    "ManifestRequest",
+    "ManifestResponse",
+    "MetricsResponse",
+    "Provenance",
+    "RunPublic",
+    "RunsPage",
+    "SERVER_CODE",
+    "SnapshotPublic",
+    "SnapshotsPage",
+    "StartEngineRequest",
+    "StopEngineRequest",
+    "StopEngineResponse",
+    "SyncConfigRequest",
+    "VersionResponse",
+]
+
+#: The snapshot id that stands for "the server's own installed ajet", i.e. no synced code.
+SERVER_CODE = "server"
+
+
+class EngineState(str, enum.Enum):
+    """Lifecycle of the training engine. Values are the compatibility strings."""
+
+    #: No engine process. The only state in which code and config may change.
+    OFFLINE = "ENGINE.OFFLINE"
+    #: Process spawned; importing, loading the model, not yet serving episodes.
+    BOOTING = "ENGINE.BOOTING"
+    #: Serving episodes: workers may claim, chat and end episodes.
+    ROLLING = "ENGINE.ROLLING"
+    #: A step's batch is full: no new claims, in-flight episodes drain.
+    ROLLING_POST = "ENGINE.ROLLING_POST"
+    #: Policy update in progress; claims wait for ROLLING again.
+    WEIGHT_SYNCING = "ENGINE.WEIGHT_SYNCING"
+
+    def __str__(self) -> str:  # so f-strings print "ENGINE.ROLLING"
+        return self.value
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorBody(BaseModel):
+    """Every error response: what went wrong and what to call next."""
+
+    detail: Any
+    hint: str = ""
+
+
+# ---------------------------------------------------------------------------- control
+
+
+class HealthResponse(BaseModel):
+    ok: bool = True
+
+
+class VersionResponse(BaseModel):
+    version: str
+    api: int = 1
+    ajet_file: str = Field(description="The server's own installed ajet package path")
+
+
+class LastError(BaseModel):
+    """Why the last engine run ended badly."""
+
+    run_id: str | None = None
+    exit_code: int | None = None
+    reason: str
+    log_tail: list[str] = Field(default_factory=list)
+    at: float = Field(description="Unix time of the failure")
+
+
+class EngineStatus(BaseModel):
+    state: EngineState
+    run_id: str | None = None
+    snapshot_id: str = SERVER_CODE
+    snapshot_path: str | None = None
+    pid: int | None = None
+    step: int | None = None
+    ajet_file: str | None = Field(default=None, description="ajet.__file__ the engine reported")
+    has_config: bool = False
+    experiment_name: str | None = None
+    last_error: LastError | None = None
+    since: float = Field(description="Unix time the current state was entered")
+
+
+class SyncConfigRequest(_Model):
+    yaml: str = Field(description="AgentJetJob as YAML", max_length=1_000_000)
+
+
+class ConfigAccepted(BaseModel):
+    config_hash: str
+    experiment_name: str
+    config: dict[str, Any]
+
+
+class StartEngineRequest(_Model):
+    force_restart: bool = Field(
+        default=False, description="Stop a running engine first, then start with the current config"
+    )
+
+
+class StopEngineRequest(_Model):
+    reason: str = Field(default="stopped by request", max_length=500)
+
+
+class StopEngineResponse(BaseModel):
+    stopped: bool = Field(description="True if an engine process was running and is now gone")
+    run_id: str | None = None
+    state: EngineState
+
+
+# ---------------------------------------------------------------------------- code
+
+
+class FileEntry(_Model):
+    path: str = Field(description="POSIX path starting with 'ajet/'", max_length=1024)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(ge=0)
+    mode: int = Field(description="0o644 or 0o755", ge=0)
+
+
+class Provenance(BaseModel):
+    git_head: str | None = None
+    branch: str | None = None
+    dirty: bool = False
+    diff: str = Field(default="", description="git diff HEAD of tracked files under ajet/ (capped)")
+    untracked_left_out: list[str] = Field(default_factory=list)
+    host: str | None = None
+    created_at: float | None = None
+    source: str = Field(default="manifest", description="manifest | zip")
+
+
+class ManifestRequest(_Model):
+    files: list[FileEntry] = Field(max_length=100_000)
+    provenance: Provenance = Field(default_factory=Provenance)
+
+
+class ManifestResponse(BaseModel):
+    snapshot_id: str
+    missing: list[str] = Field(description="sha256 of blobs the server lacks; upload them")
+    exists: bool = Field(description="An identical snapshot already exists on the server")
+
+
+class CommitRequest(_Model):
+    snapshot_id: str = Field(pattern=r"^[0-9a-f]{64}$")
+    files: list[FileEntry] = Field(max_length=100_000)
+    provenance: Provenance = Field(default_factory=Provenance)
+    force_restart: bool = False
+    approved_by: str | None = Field(default=None, max_length=200)
+
+
+class SnapshotPublic(BaseModel):
+    snapshot_id: str
+    path: str = Field(description="Server path of the snapshot's ajet/ folder, relative to workdir")
+    created: float
+    file_count: int
+    total_bytes: int
+    active: bool = False
+    provenance: Provenance = Field(default_factory=Provenance)
+    approved_by: str | None = None
+
+
+class SnapshotsPage(BaseModel):
+    active: str = SERVER_CODE
+    snapshots: list[SnapshotPublic]
+
+
+class CodeSyncResult(BaseModel):
+    """Returned by commit, zip sync and activate; the client adds its own figures."""
+
+    snapshot_id: str
+    path: str
+    reused: bool = Field(description="An identical snapshot existed; nothing was written")
+    activated: bool
+    restarted: bool = False
+    run_id: str | None = None
+    state: EngineState
+    files: int = 0
+    bytes_uploaded: int = 0
+    untracked_left_out: list[str] = Field(default_factory=list)
+    timings: dict[str, float] = Field(default_factory=dict)
+
+
+class ActivateRequest(_Model):
+    snapshot_id: str = Field(description=f"A snapshot id (or unique prefix), or '{SERVER_CODE}'")
+    force_restart: bool = False
+
+
+class GCResult(BaseModel):
+    removed_snapshots: list[str]
+    removed_blobs: int
+    kept: list[str]
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+class RunPublic(BaseModel):
+    run_id: str
+    snapshot_id: str
+    experiment_name: str
+    config_hash: str
+    config_yaml: str | None = Field(default=None, description="Only in GET /runs/{id}")
+    started_by: str
+    started_at: float
+    ended_at: float | None = None
+    status: str = Field(description="booting | running | ended | failed")
+    final_state: str | None = None
+    exit_code: int | None = None
+    reason: str | None = None
+    last_step: int | None = None
+    summary: dict[str, dict[str, float | int | None]] = Field(
+        default_factory=dict,
+        description="Per metric: first, last, best, best_step",
+    )
+    provenance: Provenance | None = None
+
+
+class RunsPage(BaseModel):
+    runs: list[RunPublic]
+    total: int
+    offset: int
+    limit: int
+
+
+class MetricsResponse(BaseModel):
+    run_id: str
+    points: list[dict[str, Any]]
+    total_steps: int
+    last_step: int | None = None
+    downsampled: bool = False
+
+
+class LogsResponse(BaseModel):
+    run_id: str
+    lines: list[str]
+    total_lines: int
+    truncated: bool = False
+
+
+class AuditEntry(BaseModel):
+    id: int
+    at: float
+    action: str
+    role: str
+    outcome: str
+    detail: dict[str, Any] = Field(default_factory=dict)
+
+
+class AuditPage(BaseModel):
+    entries: list[AuditEntry]
+    total: int
+
+
+# ---------------------------------------------------------------------------- episodes
+
+
+class BeginEpisodeRequest(_Model):
+    # Kept for compatibility with AgentJet's begin_episode(...); all optional.
+    discard_episode_timeout: float | None = Field(default=None, gt=0, le=86_400)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class BeginEpisodeResponse(BaseModel):
+    episode_uuid: str
+    openai_base_url: str
+    openai_api_key: str
+    run_id: str | None = None
+    timeout_s: float | None = None
+
+
+class EndEpisodeRequest(_Model):
+    episode_uuid: str = Field(max_length=100)
+    task_id: str = Field(max_length=500)
+    reward: float = Field(allow_inf_nan=False)
+    is_success: bool | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    log_metrics: dict[str, float] = Field(default_factory=dict)
+
+
+class EndEpisodeResponse(BaseModel):
+    episode_uuid: str
+    accepted: bool
+    step: int | None = None
+
+
+class AbortEpisodeRequest(_Model):
+    episode_uuid: str = Field(max_length=100)
+    reason: str = Field(default="aborted", max_length=500)
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+class EngineReport(BaseModel):
+    """What the engine answers on its private channel at `GET /status`."""
+
+    state: EngineState
+    pid: int
+    ajet_file: str
+    step: int = 0
+    run_id: str | None = None
+    world_size: int = 1
+    ranks_ajet_files: list[str] = Field(default_factory=list)
+    episodes_in_flight: int = 0
+    info: dict[str, Any] = Field(default_factory=dict)
+
+
+Role = Literal["control", "worker", "open"]

@@ -1,0 +1,1 @@
+"""Compatibility namespace of the AgentJet tuner library."""

@@ -1,0 +1,1 @@
+"""Compatibility namespace: `ajet.tuner_lib.experimental.swarm_client`."""

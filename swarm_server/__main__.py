@@ -1,0 +1,5 @@
+"""`python -m swarm_server` = `ajet-swarm`."""
+
+from swarm_server.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""`ajet-swarm`: start, inspect and stop a swarm server.
+
+    ajet-swarm start --swarm-port=10086 [--host 127.0.0.1] [--workdir .]
+    ajet-swarm status [--swarm-url URL]
+    ajet-swarm stop   [--swarm-url URL]      # stops the engine, then the server
+
+`start` writes `<workdir>/swarm_server.pid` so that `stop` can find the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+log = logging.getLogger("swarm_server")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ajet-swarm", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start the server in the foreground")
+    start.add_argument("--swarm-port", type=int, default=10086, help="TCP port (default 10086)")
+    start.add_argument("--host", default="127.0.0.1",
+                       help="bind address; non-loopback needs AJET_SWARM_TOKEN")
+    start.add_argument("--workdir", default=".",
+                       help="where ajet_temp/, runs/ and the ledger live (default: cwd)")
+    start.add_argument("--log-level", default="info")
+    for name, text in (("status", "print the engine status"), ("stop", "stop engine and server")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--swarm-url", default=os.environ.get("AJET_SWARM_URL",
+                                                               "http://127.0.0.1:10086"))
+        cmd.add_argument("--workdir", default=".", help="the server's workdir (for its pid file)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "start":
+        return _start(args)
+    if args.command == "status":
+        return _status(args)
+    return _stop(args)
+
+
+def _start(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from swarm_server.main import create_app
+    from swarm_server.settings import Settings
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    workdir = Path(args.workdir).resolve()
+    try:
+        settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir)
+    except ValidationError as exc:
+        for err in exc.errors():
+            sys.stderr.write(f"ajet-swarm: {err['msg'].removeprefix('Value error, ')}\n")
+        return 2
+    app = create_app(settings)
+    pid_file = workdir / "swarm_server.pid"
+    pid_file.write_text(str(os.getpid()))
+    try:
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=30, h11_max_incomplete_event_size=64 * 1024)
+    finally:
+        if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
+            pid_file.unlink()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ajet.client import SwarmClient
+    from ajet.errors import SwarmError
+
+    try:
+        with SwarmClient(args.swarm_url, timeout=10) as client:
+            status = client.get_engine_status()
+    except SwarmError as exc:
+        sys.stderr.write(f"ajet-swarm: {exc}\n")
+        return 1
+    sys.stdout.write(json.dumps(status.model_dump(mode="json"), indent=2) + "\n")
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from ajet.client import SwarmClient
+    from ajet.errors import SwarmError
+
+    try:
+        with SwarmClient(args.swarm_url, timeout=60) as client:
+            result = client.stop_engine(reason="ajet-swarm stop")
+            sys.stderr.write(f"engine stopped: {result.stopped}\n")
+    except SwarmError as exc:
+        sys.stderr.write(f"ajet-swarm: engine not stopped through the API: {exc}\n")
+    pid_file = Path(args.workdir).resolve() / "swarm_server.pid"
+    if not pid_file.exists():
+        sys.stderr.write(f"ajet-swarm: no pid file at {pid_file}; is the server's workdir there?\n")
+        return 1
+    pid = int(pid_file.read_text().strip())
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        sys.stderr.write(f"ajet-swarm: no server process {pid}; removing stale pid file\n")
+        pid_file.unlink(missing_ok=True)
+        return 1
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            sys.stderr.write(f"server {pid} stopped\n")
+            return 0
+        time.sleep(0.1)
+    sys.stderr.write(f"ajet-swarm: server {pid} still running after 40 s\n")
+    return 1

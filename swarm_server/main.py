@@ -1,0 +1,77 @@
+"""`create_app(settings)`: assemble the swarm server's FastAPI application.
+
+Builds the `ServerContext` (ledger, snapshot store, engine controller, episode gateway),
+reconciles it with what is on disk and what is still running (recovery after a crash),
+and mounts one router per resource.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from swarm_server.context import ServerContext
+from swarm_server.engine import EngineController
+from swarm_server.episodes import EpisodeGateway
+from swarm_server.errors import install_error_handlers
+from swarm_server.ledger import Ledger
+from swarm_server.routes import code, control, episodes, runs
+from swarm_server.settings import Settings
+from swarm_server.snapshots import SnapshotStore
+
+__all__ = ["build_context", "create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def build_context(settings: Settings) -> ServerContext:
+    settings.workdir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(settings.ledger_path)
+    snapshots = SnapshotStore(settings, ledger)
+    engine = EngineController(settings, ledger, snapshots)
+    gateway = EpisodeGateway(settings, engine)
+    return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
+                         episodes=gateway)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    ctx = build_context(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.snapshots.recover()
+        ctx.engine.recover()
+        log.info("swarm server ready on %s:%s (workdir %s)", settings.host, settings.port,
+                 settings.workdir)
+        try:
+            yield
+        finally:
+            await ctx.episodes.aclose()
+            ctx.engine.shutdown()
+            ctx.ledger.close()
+
+    app = FastAPI(
+        title="AgentJet Swarm server",
+        version=_version(),
+        lifespan=lifespan,
+        description="Control plane of the AgentJet training engine. See docs/api.md.",
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(control.router)
+    app.include_router(code.router)
+    app.include_router(runs.router)
+    app.include_router(episodes.router)
+    return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("agentjet-swarm")
+    except PackageNotFoundError:
+        return "0.0.0"

@@ -1,0 +1,1 @@
+"""One router per resource: control (engine lifecycle), code, runs, episodes."""

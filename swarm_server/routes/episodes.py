@@ -1,0 +1,5 @@
+"""Routes: episodes (placeholder until its owner fills it in; see docs/internals.md)."""
+
+from fastapi import APIRouter
+
+router = APIRouter()

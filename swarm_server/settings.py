@@ -1,0 +1,87 @@
+"""`Settings`: every knob of the swarm server, from flags and `AJET_SWARM_*` variables.
+
+One pydantic-settings class; its validator refuses unsafe combinations (a non-loopback
+bind without a control token). Limits are documented in `docs/limits.md`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import sys
+from pathlib import Path
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "is_loopback"]
+
+MiB = 1024 * 1024
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class Settings(BaseSettings):
+    """Server configuration. Environment variables use the `AJET_SWARM_` prefix."""
+
+    model_config = SettingsConfigDict(env_prefix="AJET_SWARM_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=10086, ge=0, le=65535)
+    workdir: Path = Field(default_factory=Path.cwd, description="ajet_temp/, runs/, ledger")
+
+    token: SecretStr | None = Field(default=None, description="AJET_SWARM_TOKEN: control role")
+    worker_token: SecretStr | None = Field(
+        default=None, description="AJET_SWARM_WORKER_TOKEN: episode plane and read-only routes"
+    )
+
+    # engine lifecycle
+    engine_python: str = Field(default=sys.executable, description="Interpreter for the engine")
+    boot_timeout_s: float = Field(default=300.0, gt=0)
+    stop_grace_s: float = Field(default=10.0, ge=0)
+    status_poll_s: float = Field(default=0.1, gt=0)
+    config_validate_timeout_s: float = Field(default=60.0, gt=0)
+
+    # code snapshots
+    keep_snapshots: int = Field(default=10, ge=1)
+    max_upload_bytes: int = Field(default=256 * MiB, gt=0)
+    max_files: int = Field(default=5000, gt=0)
+    max_file_bytes: int = Field(default=32 * MiB, gt=0)
+    max_unpacked_bytes: int = Field(default=512 * MiB, gt=0)
+    max_compression_ratio: float = Field(default=100.0, gt=1)
+    min_free_disk_bytes: int = Field(default=256 * MiB, ge=0)
+
+    # request limits
+    max_json_bytes: int = Field(default=16 * MiB, gt=0)
+    max_json_depth: int = Field(default=32, gt=0)
+    engine_request_timeout_s: float = Field(default=120.0, gt=0)
+
+    # episodes
+    episode_key_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+
+    @model_validator(mode="after")
+    def _refuse_open_public_bind(self) -> Settings:
+        if not is_loopback(self.host) and self.token is None:
+            raise ValueError(
+                f"refusing to bind {self.host} without a control token: set AJET_SWARM_TOKEN "
+                "(and AJET_SWARM_WORKER_TOKEN for rollout workers), or bind 127.0.0.1"
+            )
+        return self
+
+    @property
+    def ajet_temp(self) -> Path:
+        return self.workdir / "ajet_temp"
+
+    @property
+    def runs_dir(self) -> Path:
+        return self.workdir / "runs"
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.workdir / "swarm.sqlite3"

@@ -1,0 +1,33 @@
+"""Shared fixtures: real servers on loopback, temp git repos."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerHandle]:
+    """An open (no token) swarm server on a free loopback port."""
+    handle = start_server(tmp_path / "swarm")
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def secured_server(tmp_path: Path) -> Iterator[ServerHandle]:
+    """A swarm server with a control and a worker token."""
+    handle = start_server(tmp_path / "swarm", env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
+                                                   "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
+    yield handle
+    handle.stop()
+
+
+@pytest.fixture
+def ajet_repo(tmp_path: Path) -> Path:
+    """A real git repo with a committed copy of the project's ajet/."""
+    return make_ajet_repo(tmp_path / "repo")

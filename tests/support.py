@@ -1,0 +1,118 @@
+"""Test support: real swarm servers on free loopback ports, real git repos in temp dirs.
+
+Every server a test needs is started here as a real `python -m swarm_server start`
+subprocess and stopped (its whole process group) when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+CONTROL_TOKEN = "test-control-token"
+WORKER_TOKEN = "test-worker-token"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    port: int
+    workdir: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text("utf-8", errors="replace")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the server process only (not the engine it spawned)."""
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None,
+                 host: str = "127.0.0.1", timeout: float = 30.0) -> ServerHandle:
+    """Start a real swarm server subprocess and wait until /health answers."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = port or free_port()
+    child_env = {k: v for k, v in os.environ.items()
+                 if not k.startswith("AJET_SWARM_")}
+    child_env.update(env or {})
+    log_path = workdir / f"server-{port}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={port}",
+             "--host", host, "--workdir", str(workdir)],
+            stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+            cwd=workdir,
+        )
+    handle = ServerHandle(f"http://127.0.0.1:{port}", port, workdir, proc, log_path,
+                          dict(env or {}))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"swarm server exited ({proc.returncode}):\n{handle.log()}")
+        try:
+            if httpx.get(f"{handle.url}/health", timeout=1.0).status_code == 200:
+                return handle
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    handle.stop()
+    raise RuntimeError(f"swarm server not healthy after {timeout}s:\n{handle.log()}")
+
+
+def make_ajet_repo(root: Path, *, source: Path = PROJECT_ROOT / "ajet") -> Path:
+    """A real git repository at `root` holding a committed copy of the project's `ajet/`."""
+    root.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(source, root / "ajet",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=test"]
+    subprocess.run(["git", "init", "-q", "-b", "main", str(root)], check=True)
+    subprocess.run([*git, "-C", str(root), "add", "ajet"], check=True)
+    subprocess.run([*git, "-C", str(root), "commit", "-q", "-m", "initial"], check=True)
+    return root
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie still answers kill(0); treat it as gone
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
