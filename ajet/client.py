@@ -38,9 +38,12 @@ from ajet.protocol import (
     EndEpisodeResponse,
     EngineState,
     EngineStatus,
+    FileEntry,
     GCResult,
     LogsResponse,
+    ManifestResponse,
     MetricsResponse,
+    Provenance,
     RunPublic,
     RunsPage,
     SnapshotPublic,
@@ -145,10 +148,11 @@ class SwarmClient:
     def start_engine(self, *, force_restart: bool = False, wait: bool = False,
                      wait_timeout: float = 300.0) -> EngineStatus:
         """Start the engine with the current config; optionally wait until it serves."""
-        self._call("POST", "/start_engine", json={"force_restart": force_restart})
+        status = self._call("POST", "/start_engine", json={"force_restart": force_restart},
+                            model=EngineStatus, timeout=max(self._timeout, 60.0))
         if wait:
             return self.wait_for_state(SERVING_STATES, timeout=wait_timeout)
-        return self.get_engine_status()
+        return status
 
     def stop_engine(self, *, reason: str = "stopped by request") -> StopEngineResponse:
         """Stop the engine (idempotent); says whether anything was running."""
@@ -229,6 +233,13 @@ class SwarmClient:
         data = self._call("GET", "/code")
         return SnapshotPublic.model_validate(data) if data else None
 
+    def check_manifest(self, files: list[FileEntry],
+                       provenance: Provenance | None = None) -> ManifestResponse:
+        """Which blobs of this manifest the server lacks, and its snapshot id; writes nothing."""
+        body = {"files": [f.model_dump() for f in files],
+                "provenance": (provenance or Provenance()).model_dump(mode="json")}
+        return self._call("POST", "/code/manifest", json=body, model=ManifestResponse)
+
     def list_snapshots(self) -> SnapshotsPage:
         return self._call("GET", "/code/snapshots", model=SnapshotsPage)
 
@@ -274,10 +285,14 @@ class SwarmClient:
         return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
 
     def get_run_logs(self, run_id: str = "current", *, tail: int = 100,
-                     grep: str | None = None) -> LogsResponse:
+                     grep: str | None = None, regex: bool = False) -> LogsResponse:
+        """The last `tail` lines of a run's engine.log, keeping only lines containing `grep`
+        (a regular expression of at most 200 characters with `regex=True`)."""
         params: dict[str, Any] = {"tail": tail}
         if grep:
             params["grep"] = grep
+            if regex:
+                params["regex"] = "true"
         return self._call("GET", f"/runs/{run_id}/logs", params=params, model=LogsResponse)
 
     def get_audit(self, *, offset: int = 0, limit: int = 100) -> AuditPage:

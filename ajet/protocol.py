@@ -19,6 +19,7 @@ __all__ = [
     "AuditPage",
     "BeginEpisodeRequest",
     "BeginEpisodeResponse",
+    "BlobsUploaded",
     "CodeSyncResult",
     "CommitRequest",
     "ConfigAccepted",
@@ -175,6 +176,18 @@ class ManifestResponse(BaseModel):
     snapshot_id: str
     missing: list[str] = Field(description="sha256 of blobs the server lacks; upload them")
     exists: bool = Field(description="An identical snapshot already exists on the server")
+    active: bool = Field(default=False,
+                         description="That snapshot is already the active code: no commit needed")
+    path: str | None = Field(default=None, description="Its ajet/ folder, relative to workdir")
+    state: EngineState | None = Field(default=None, description="The engine state right now")
+
+
+class BlobsUploaded(BaseModel):
+    """Answer of `POST /code/blobs`: every blob of the body was verified and stored."""
+
+    stored: list[str] = Field(description="sha256 of blobs newly stored")
+    already_present: list[str] = Field(description="sha256 of blobs the server had already")
+    bytes_received: int
 
 
 class CommitRequest(_Model):
@@ -194,6 +207,9 @@ class SnapshotPublic(BaseModel):
     active: bool = False
     provenance: Provenance = Field(default_factory=Provenance)
     approved_by: str | None = None
+    files: list[FileEntry] | None = Field(
+        default=None, description="The manifest; in GET /code and GET /code/snapshots/{id} only"
+    )
 
 
 class SnapshotsPage(BaseModel):

@@ -59,6 +59,8 @@ def _start(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO; the engine status poll alone would be 10 lines/s
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     workdir = Path(args.workdir).resolve()
     try:
         settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir)
@@ -115,11 +117,19 @@ def _stop(args: argparse.Namespace) -> int:
         return 1
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             sys.stderr.write(f"server {pid} stopped\n")
             return 0
         time.sleep(0.1)
     sys.stderr.write(f"ajet-swarm: server {pid} still running after 40 s\n")
     return 1
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs; an exited server its parent has not reaped yet counts as gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

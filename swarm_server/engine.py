@@ -1,20 +1,614 @@
-"""EngineController placeholder (see docs/internals.md); replaced by the server-core work."""
+"""`EngineController`: the training engine's state machine, its runs, and its process.
+
+One controller per server. It owns the engine state (`ajet.protocol.EngineState`), the
+current run, and the engine process (through a `supervisor.Spawner`). The rules:
+
+- Every state change goes through `change_state(expected_from, to)`: a compare-and-set
+  under one lock that also checks the edge is legal (`_EDGES`). A request in the wrong
+  state gets `EngineStateError` (HTTP 409) naming the state and what to call next.
+- Lifecycle operations (config, start, stop, code swap) also hold `_lifecycle`, so they
+  never interleave: twenty concurrent starts launch exactly one engine.
+- Every start is a run in the ledger. Two threads watch a run: one blocks on the process
+  exit (a crash is noticed at once), one polls `GET /status` on the engine's socket
+  every `settings.status_poll_s` and moves BOOTING -> the reported state, after checking
+  the engine runs the active snapshot's code. Any exit ends in OFFLINE with the run
+  finalised; an exit nobody asked for also sets `last_error` with the log tail.
+- Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
+- `recover()` at server start stops engines a killed server left behind (by pid and
+  start time) and closes their runs.
+
+Lock order: `_lifecycle` before `_lock`; the ledger's own lock last. The exit and poll
+threads take only `_lock`, so a stop holding `_lifecycle` can wait for them.
+"""
 
 from __future__ import annotations
 
-from swarm_server.ledger import Ledger
+import logging
+import secrets
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import yaml
+
+from ajet.protocol import (
+    ConfigAccepted,
+    EngineReport,
+    EngineState,
+    EngineStatus,
+    LastError,
+    StopEngineResponse,
+)
+from swarm_server.config_check import config_hash, validate_job_yaml
+from swarm_server.errors import ApiError, EngineStateError
+from swarm_server.ledger import Ledger, RunRecord
+from swarm_server.run_files import read_log_lines, read_metrics, summarize
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.supervisor import (
+    EngineProbe,
+    PosixSpawner,
+    ProbeFactory,
+    ProcessHandle,
+    SocketProbe,
+    Spawner,
+    SpawnSpec,
+    snapshot_env,
+    stop_group,
+)
+
+__all__ = ["LAST_CONFIG_KEY", "SERVING_STATES", "EngineController", "engine_command"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Ledger meta key holding the last accepted job YAML (normalised); survives restarts.
+LAST_CONFIG_KEY = "last_config_yaml"
+#: States in which the engine serves the episode plane.
+SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING)
+#: States with an engine process.
+_ACTIVE_STATES = (EngineState.BOOTING, *SERVING_STATES)
+#: Legal edges. OFFLINE -> BOOTING is a start; BOOTING -> serving is the first good
+#: report; serving <-> serving follows the engine's reports; anything -> OFFLINE is an exit.
+_EDGES: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.OFFLINE: frozenset({EngineState.BOOTING}),
+    EngineState.BOOTING: frozenset({EngineState.OFFLINE, *SERVING_STATES}),
+    **{s: frozenset({EngineState.OFFLINE, *SERVING_STATES} - {s}) for s in SERVING_STATES},
+}
+#: Lines of engine.log kept in `last_error.log_tail`.
+LOG_TAIL_LINES = 50
+#: AF_UNIX paths longer than this (bytes) do not bind on every platform.
+_MAX_SOCKET_PATH = 100
+#: How long a stop waits for the exit thread to finalise the run after the group is gone.
+_FINISH_WAIT_S = 30.0
+
+
+def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path
+                   ) -> list[str]:
+    """The engine's command line (docs/internals.md, "The engine process")."""
+    return [
+        settings.engine_python, "-m", settings.engine_module,
+        "--config", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
+        "--socket", str(socket_path), "--run-id", run_id, "--workdir", str(settings.workdir),
+    ]
+
+
+@dataclass
+class _Run:
+    """The run the controller is driving now (at most one)."""
+
+    run_id: str
+    run_dir: Path
+    snapshot_base: Path | None
+    boot_deadline: float  # time.monotonic() by which the engine must serve
+    socket_path: Path | None = None
+    socket_tmpdir: Path | None = None
+    handle: ProcessHandle | None = None
+    report: EngineReport | None = None
+    served: bool = False  # a good report was accepted; the run is "running"
+    stop_reason: str | None = None  # the server was asked to stop it (user, swap, shutdown)
+    failure: str | None = None  # the server killed it for a fault (boot timeout, wrong code)
+    finished: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 class EngineController:
-    def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore) -> None:
+    """State machine + runs + engine process. See the module docstring for the rules."""
+
+    def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
+                 spawner: Spawner | None = None, probe: ProbeFactory | None = None) -> None:
         self.settings = settings
         self.ledger = ledger
         self.snapshots = snapshots
+        self.spawner: Spawner = spawner or PosixSpawner()
+        self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
+        self._lock = threading.RLock()  # guards the fields below; held only briefly
+        self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
+        self._state = EngineState.OFFLINE
+        self._since = time.time()
+        self._run: _Run | None = None
+        self._last_error: LastError | None = None
+        self._last_run_id: str | None = None
+        self._config_cache: tuple[str, str] = ("", "")  # (yaml, experiment_name)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state(self) -> EngineState:
+        with self._lock:
+            return self._state
+
+    def change_state(self, expected_from: EngineState | tuple[EngineState, ...],
+                     to: EngineState, *, hint: str = "", run: _Run | None = None) -> None:
+        """Compare-and-set: move to `to` only if the state is one of `expected_from`.
+
+        With `run`, also only if that run is still the current one (a late report of an
+        old run must not move a new one). Raises `EngineStateError` (409) otherwise.
+        """
+        expected = (expected_from,) if isinstance(expected_from, EngineState) else expected_from
+        with self._lock:
+            current = self._state
+            if current not in expected or (run is not None and run is not self._run):
+                raise EngineStateError(
+                    f"engine is {current}; this needs {' or '.join(s.value for s in expected)}",
+                    hint or _hint_for(current),
+                )
+            if to not in _EDGES[current]:
+                raise EngineStateError(f"engine cannot go from {current} to {to}",
+                                       hint or _hint_for(current))
+            log.info("engine state %s -> %s", current, to)
+            self._state = to
+            self._since = time.time()
+
+    def status(self) -> EngineStatus:
+        with self._lock:
+            state, since, run, last_error = self._state, self._since, self._run, self._last_error
+            report = run.report if run else None
+            pid = run.handle.pid if run and run.handle else None
+        snapshot = self.snapshots.active()
+        yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
+        return EngineStatus(
+            state=state,
+            run_id=run.run_id if run else None,
+            snapshot_id=self.snapshots.active_id(),
+            snapshot_path=snapshot.path if snapshot else None,
+            pid=pid,
+            step=report.step if report else None,
+            ajet_file=report.ajet_file if report else None,
+            has_config=bool(yaml_text),
+            experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
+            last_error=last_error,
+            since=since,
+        )
+
+    def engine_socket(self) -> Path | None:
+        """The serving engine's Unix socket (for the episode gateway), else None."""
+        with self._lock:
+            if self._run is not None and self._state in SERVING_STATES:
+                return self._run.socket_path
+            return None
+
+    def current_run_id(self) -> str | None:
+        """The serving engine's run id, else None."""
+        with self._lock:
+            if self._run is not None and self._state in SERVING_STATES:
+                return self._run.run_id
+            return None
+
+    def latest_run_id(self) -> str | None:
+        """The run of the engine process if there is one, else the newest run ever."""
+        with self._lock:
+            if self._run is not None:
+                return self._run.run_id
+            if self._last_run_id is not None:
+                return self._last_run_id
+        runs, _ = self.ledger.list_runs(limit=1)
+        return runs[0].id if runs else None
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.settings.runs_dir / run_id
+
+    # ------------------------------------------------------------------ config
+
+    def set_config(self, yaml_text: str, *, role: str) -> ConfigAccepted:
+        """Validate with the active code's validator and store; only while OFFLINE."""
+        with self._lifecycle:
+            try:
+                state = self.state
+                if state is not EngineState.OFFLINE:
+                    raise EngineStateError(
+                        f"engine is {state}; the config can change only while ENGINE.OFFLINE",
+                        "call stop_engine first, then sync_train_config; or use "
+                        "auto_sync_train_config_and_start_engine(job, force_restart=True)",
+                    )
+                snapshot = self.snapshots.active()
+                base = self.snapshots.base_dir(snapshot) if snapshot else None
+                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
+            except ApiError as exc:
+                self.ledger.audit("sync_config", role, f"refused: {_short(exc.detail)}",
+                                  {"status": exc.status})
+                raise
+            self.ledger.set_meta(LAST_CONFIG_KEY, checked.yaml_text)
+            self.ledger.audit("sync_config", role, "ok",
+                              {"config_hash": checked.config_hash,
+                               "experiment_name": checked.experiment_name})
+        log.info("config accepted: experiment %s, hash %s", checked.experiment_name,
+                 checked.config_hash[:12])
+        return ConfigAccepted(config_hash=checked.config_hash,
+                              experiment_name=checked.experiment_name, config=checked.config)
+
+    # ------------------------------------------------------------------ start / stop
+
+    def start(self, *, role: str, force_restart: bool = False) -> str:
+        """Start an engine on the last config; returns the new run id.
+
+        409 without a config, or when not OFFLINE unless `force_restart` (which stops the
+        running engine first). A spawn failure still returns the run id: the run is then
+        `failed` and `status().last_error` says why.
+        """
+        with self._lifecycle:
+            stopped: str | None = None
+            try:
+                state = self.state
+                if state is not EngineState.OFFLINE and not force_restart:
+                    raise EngineStateError(
+                        f"engine is {state} (run {self.latest_run_id()}); it starts only from "
+                        "ENGINE.OFFLINE",
+                        "call stop_engine first, or start_engine(force_restart=True)",
+                    )
+                self._require_config()
+                if state is not EngineState.OFFLINE:
+                    previous = self._stop_locked("restarted by start_engine(force_restart=True)")
+                    stopped = previous.run_id
+                run_id = self._start_locked(role)
+            except ApiError as exc:
+                self.ledger.audit("start_engine", role, f"refused: {_short(exc.detail)}",
+                                  {"status": exc.status, "force_restart": force_restart})
+                raise
+            rec = self.ledger.get_run(run_id)
+            outcome = "ok" if rec is None or rec.status != "failed" else f"failed: {rec.reason}"
+            self.ledger.audit("start_engine", role, outcome,
+                              {"run_id": run_id, "force_restart": force_restart,
+                               "stopped_run": stopped})
+            return run_id
+
+    def stop(self, *, role: str, reason: str) -> StopEngineResponse:
+        """Stop the engine's process group (TERM, grace, KILL). Idempotent."""
+        with self._lifecycle:
+            result = self._stop_locked(reason)
+        self.ledger.audit("stop_engine", role, "ok",
+                          {"stopped": result.stopped, "run_id": result.run_id, "reason": reason})
+        return result
+
+    def swap_code(self, activate: Callable[[], T], *, force_restart: bool, role: str
+                  ) -> tuple[T, bool, str | None]:
+        """Change the active code with the engine down (docs/internals.md).
+
+        Not OFFLINE and not `force_restart`: 409. Otherwise stop the engine if it runs,
+        call `activate()`, and start again on the last config if it was running. Returns
+        (activate's result, restarted, new run id or None). The caller audits the action.
+        """
+        with self._lifecycle:
+            state = self.state
+            if state is not EngineState.OFFLINE and not force_restart:
+                raise EngineStateError(
+                    f"engine is {state}; code can change only while ENGINE.OFFLINE",
+                    "stop_engine first or pass force_restart=True",
+                )
+            was_running = state is not EngineState.OFFLINE
+            if was_running:
+                self._stop_locked("code swap (force_restart=True)")
+            result = activate()
+            if not was_running:
+                return result, False, None
+            run_id = self._start_locked(role)
+            return result, True, run_id
 
     def recover(self) -> None:
-        pass
+        """Reconcile the ledger with reality after a server (re)start.
+
+        Open runs whose engine still lives (same pid and start time) get their process
+        group stopped and are marked ended; runs whose process is gone are marked failed.
+        The last config stays in the ledger (meta `last_config_yaml`) and is used as is.
+        """
+        for rec in self.ledger.open_runs():
+            handle = None
+            if rec.pid is not None and rec.pid_start_time is not None:
+                handle = self.spawner.adopt(rec.pid, rec.pid_start_time)
+            if handle is not None:
+                log.warning("stopping engine pid %s of run %s left by a previous server",
+                            rec.pid, rec.id)
+                stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+                status, reason = "ended", (f"server restarted: the engine (pid {rec.pid}) the "
+                                           "previous server left running was stopped")
+            else:
+                status, reason = "failed", ("server restarted: the engine process was already "
+                                            "gone (exit code unknown)")
+            points = read_metrics(Path(rec.run_dir) / "metrics.jsonl")
+            self.ledger.update_run(
+                rec.id, status=status, reason=reason, ended_at=time.time(),
+                final_state=EngineState.OFFLINE.value,
+                last_step=points[-1]["step"] if points else rec.last_step,
+                summary=summarize(points),
+            )
+            self.ledger.audit("recover", "server", "ok",
+                              {"run_id": rec.id, "status": status, "reason": reason})
+        runs, _ = self.ledger.list_runs(limit=1)
+        with self._lock:
+            self._last_run_id = runs[0].id if runs else None
+        if self.ledger.get_meta(LAST_CONFIG_KEY):
+            log.info("restored the last training config (experiment %s)",
+                     self._experiment_name(self.ledger.get_meta(LAST_CONFIG_KEY) or ""))
 
     def shutdown(self) -> None:
-        pass
+        """Stop the engine: the server never leaves an orphan behind on a clean exit."""
+        with self._lifecycle:
+            result = self._stop_locked("server shutdown")
+        if result.stopped:
+            log.info("stopped engine run %s at server shutdown", result.run_id)
+
+    # ------------------------------------------------------------------ internals
+
+    def _require_config(self) -> str:
+        yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
+        if not yaml_text:
+            raise EngineStateError("no training config on the server",
+                                   "call sync_train_config(job) first, then start_engine")
+        return yaml_text
+
+    def _start_locked(self, role: str) -> str:
+        """Create the run and spawn its engine. Caller holds `_lifecycle`."""
+        yaml_text = self._require_config()
+        snapshot = self.snapshots.active()
+        base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+        run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
+                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s)
+        with self._lock:
+            # OFFLINE -> BOOTING: the compare-and-set that makes concurrent starts safe
+            self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
+                              hint="call stop_engine first, or start_engine(force_restart=True)")
+            self._run = run
+            self._last_error = None
+            self._last_run_id = run_id
+        self.ledger.create_run(RunRecord(
+            id=run_id, snapshot_id=self.snapshots.active_id(), config_yaml=yaml_text,
+            config_hash=config_hash(yaml_text), experiment_name=self._experiment_name(yaml_text),
+            started_by=role, started_at=time.time(), run_dir=str(run.run_dir), status="booting",
+        ))
+        try:
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
+            run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
+            log_path = run.run_dir / "engine.log"
+            if base is not None:
+                line = ("[start_engine] Using synced training code from "
+                        f"./{_relative(base / 'ajet', self.settings.workdir)}")
+                log.info("%s", line)
+                with open(log_path, "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+            spec = SpawnSpec(
+                argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
+                                    socket_path=run.socket_path),
+                cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
+            )
+            handle = self.spawner.start(spec)
+        except OSError as exc:
+            self._finish(run, exit_code=None, spawn_error=f"could not start the engine: {exc}")
+            return run_id
+        with self._lock:
+            run.handle = handle
+        self.ledger.update_run(run_id, pid=handle.pid, pid_start_time=handle.start_time)
+        log.info("engine run %s started: pid %s, snapshot %s", run_id, handle.pid,
+                 self.snapshots.active_id())
+        threading.Thread(target=self._watch_exit, args=(run, handle), daemon=True,
+                         name=f"engine-exit-{run_id}").start()
+        threading.Thread(target=self._poll_status, args=(run, handle, run.socket_path),
+                         daemon=True,
+                         name=f"engine-poll-{run_id}").start()
+        return run_id
+
+    def _stop_locked(self, reason: str) -> StopEngineResponse:
+        """Stop the current run's process group. Caller holds `_lifecycle`."""
+        with self._lock:
+            run = self._run
+            if run is None:
+                return StopEngineResponse(stopped=False, run_id=None, state=self._state)
+            if run.stop_reason is None and run.failure is None:
+                run.stop_reason = reason
+            handle = run.handle
+        stopped = False
+        if handle is not None:
+            stopped = stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+        if not run.done.wait(_FINISH_WAIT_S):
+            log.error("run %s not finalised %ss after its process group was stopped",
+                      run.run_id, _FINISH_WAIT_S)
+        return StopEngineResponse(stopped=stopped, run_id=run.run_id, state=self.state)
+
+    def _watch_exit(self, run: _Run, handle: ProcessHandle) -> None:
+        """Thread: block until the engine exits, clear its group, finalise the run."""
+        self.spawner.wait(handle, None)
+        with self._lock:
+            stopping = run.stop_reason is not None or run.failure is not None
+        if not stopping and self.spawner.group_alive(handle):
+            # The leader died on its own; what it left in its group goes too.
+            stop_group(self.spawner, handle, grace_s=0.0, kill_wait_s=5.0)
+        self._finish(run, exit_code=handle.returncode)
+
+    def _poll_status(self, run: _Run, handle: ProcessHandle, socket_path: Path) -> None:
+        """Thread: poll the engine's report while it lives; enforce boot timeout and code."""
+        probe: EngineProbe = self._probe_factory(socket_path)
+        try:
+            while not run.done.is_set() and not handle.exited:
+                report = probe.get_report()
+                if report is not None:
+                    self._on_report(run, handle, report)
+                with self._lock:
+                    booting = self._run is run and self._state is EngineState.BOOTING
+                if booting and time.monotonic() > run.boot_deadline:
+                    self._fail(run, handle,
+                               f"boot timeout: the engine did not serve within "
+                               f"{self.settings.boot_timeout_s:g}s (settings.boot_timeout_s)")
+                run.done.wait(self.settings.status_poll_s)
+        except Exception as exc:  # noqa: BLE001 - a dead watcher would leave BOOTING forever
+            log.exception("run %s: status watcher failed", run.run_id)
+            self._fail(run, handle, f"the server's status watcher failed: {exc!r}")
+        finally:
+            probe.close()
+
+    def _on_report(self, run: _Run, handle: ProcessHandle, report: EngineReport) -> None:
+        problem: str | None = None
+        became_running = False
+        with self._lock:
+            if self._run is not run or run.finished or run.stop_reason or run.failure:
+                return
+            run.report = report
+            if not run.served:
+                problem = self._code_problem(run, report)
+                if problem is None and report.state in SERVING_STATES:
+                    run.served = became_running = True
+            if problem is None and run.served and report.state is not self._state \
+                    and report.state in SERVING_STATES:
+                try:
+                    self.change_state(_ACTIVE_STATES, report.state, run=run)
+                except EngineStateError:
+                    return  # the run ended between the report and now
+        if problem is not None:
+            self._fail(run, handle, problem)
+        elif became_running:
+            self.ledger.update_run(run.run_id, status="running", last_step=report.step)
+
+    def _code_problem(self, run: _Run, report: EngineReport) -> str | None:
+        """Why the engine does not run the active snapshot's code, or None if it does."""
+        if run.snapshot_base is None:
+            return None
+        for path in [report.ajet_file, *report.ranks_ajet_files]:
+            if not _inside(Path(path), run.snapshot_base):
+                return (f"the engine imported ajet from {path}, not from the active snapshot "
+                        f"{run.snapshot_base}; refusing to train on stale code")
+        return None
+
+    def _fail(self, run: _Run, handle: ProcessHandle, reason: str) -> None:
+        """The server stops a run for a fault; `_finish` records it as failed."""
+        with self._lock:
+            if run.finished or run.failure or run.stop_reason:
+                return
+            run.failure = reason
+        log.error("run %s: %s; stopping the engine", run.run_id, reason)
+        stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+
+    def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
+                ) -> None:
+        """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
+        points = read_metrics(run.run_dir / "metrics.jsonl")
+        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES)
+        with self._lock:
+            if run.finished:
+                return
+            run.finished = True
+            final_state = self._state if self._run is run else EngineState.OFFLINE
+            if spawn_error is not None:
+                failed, reason = True, spawn_error
+            elif run.failure is not None:
+                failed, reason = True, run.failure
+            elif run.stop_reason is not None:
+                failed, reason = False, run.stop_reason
+            elif exit_code == 0:
+                failed, reason = False, "the engine exited by itself (code 0)"
+            else:
+                failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
+                                        f"{final_state}")
+            if failed:
+                self._last_error = LastError(run_id=run.run_id, exit_code=exit_code,
+                                             reason=reason, log_tail=tail, at=time.time())
+            if self._run is run:
+                if self._state is not EngineState.OFFLINE:
+                    self.change_state(_ACTIVE_STATES, EngineState.OFFLINE, run=run)
+                self._run = None
+            last_step = points[-1]["step"] if points else (run.report.step if run.report else None)
+            try:
+                self.ledger.update_run(
+                    run.run_id, status="failed" if failed else "ended", ended_at=time.time(),
+                    final_state=final_state.value, exit_code=exit_code, reason=reason,
+                    last_step=last_step, summary=summarize(points),
+                )
+            except Exception:  # noqa: BLE001 - the engine is gone either way; never block stop
+                log.exception("run %s: could not record its end in the ledger", run.run_id)
+        (log.error if failed else log.info)("run %s ended: %s (exit code %s)", run.run_id,
+                                            reason, exit_code)
+        if run.socket_tmpdir is not None:
+            shutil.rmtree(run.socket_tmpdir, ignore_errors=True)
+        run.done.set()
+
+    def _experiment_name(self, yaml_text: str) -> str:
+        cached_text, cached_name = self._config_cache
+        if yaml_text == cached_text:
+            return cached_name
+        try:
+            data = yaml.safe_load(yaml_text)
+        except yaml.YAMLError:
+            data = None
+        name = str(data.get("experiment_name") or "") if isinstance(data, dict) else ""
+        self._config_cache = (yaml_text, name)
+        return name
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _hint_for(state: EngineState) -> str:
+    if state is EngineState.OFFLINE:
+        return "call sync_train_config(job) if needed, then start_engine"
+    return "call stop_engine first, or pass force_restart=True"
+
+
+def _socket_path(run_dir: Path, run_id: str) -> tuple[Path, Path | None]:
+    """`<run_dir>/engine.sock`, or a fresh 0700 temp dir when that path is too long."""
+    path = run_dir / "engine.sock"
+    if len(str(path).encode()) <= _MAX_SOCKET_PATH:
+        return path, None
+    tmpdir = Path(tempfile.mkdtemp(prefix="ajet-"))  # mkdtemp creates it 0700
+    return tmpdir / f"ajet-{run_id}.sock", tmpdir
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exited (exit code unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+def _relative(path: Path, root: Path) -> str:
+    try:
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _short(detail: object, limit: int = 200) -> str:
+    if isinstance(detail, list):
+        fields = [".".join(str(p) for p in e.get("loc", [])) for e in detail if isinstance(e, dict)]
+        text = f"invalid field(s): {', '.join(f or '(job)' for f in fields)}"
+    else:
+        text = str(detail)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

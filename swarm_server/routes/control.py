@@ -1,10 +1,85 @@
-"""Routes: control (placeholder until its owner fills it in; see docs/internals.md)."""
+"""Routes: health, version, engine status, training config, engine start and stop.
 
-from fastapi import APIRouter
+Handlers are plain `def`: FastAPI runs them in its thread pool, where the controller may
+block (a stop waits for the process group, a config check runs a subprocess).
+"""
 
-router = APIRouter()
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+import ajet
+from ajet.protocol import (
+    ConfigAccepted,
+    EngineStatus,
+    ErrorBody,
+    HealthResponse,
+    StartEngineRequest,
+    StopEngineRequest,
+    StopEngineResponse,
+    SyncConfigRequest,
+    VersionResponse,
+)
+from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
+
+__all__ = ["router"]
+
+router = APIRouter(tags=["control"])
+
+_READER_ERRORS: dict[int | str, dict[str, object]] = {
+    401: {"model": ErrorBody, "description": "Missing or wrong token"},
+}
+_AUTH_ERRORS: dict[int | str, dict[str, object]] = {
+    **_READER_ERRORS,
+    403: {"model": ErrorBody, "description": "The worker token cannot call this route"},
+}
+_STATE_ERROR: dict[int | str, dict[str, object]] = {
+    409: {"model": ErrorBody, "description": "The engine is in the wrong state; see `hint`"},
+}
 
 
-@router.get("/health")
-def health() -> dict[str, bool]:
-    return {"ok": True}
+@router.get("/health", summary="Liveness; needs no token")
+def health() -> HealthResponse:
+    return HealthResponse()
+
+
+@router.get("/version", responses=_READER_ERRORS)
+def version(request: Request, _: ReaderAuth) -> VersionResponse:
+    """Server version, API version and the server's own installed ajet path."""
+    return VersionResponse(version=request.app.version, ajet_file=ajet.__file__ or "")
+
+
+@router.get("/get_engine_status", responses=_READER_ERRORS)
+def get_engine_status(ctx: Ctx, _: ReaderAuth) -> EngineStatus:
+    """Engine state (`ENGINE.*`), current run, active snapshot, and `last_error`."""
+    return ctx.engine.status()
+
+
+_INVALID_JOB: dict[int | str, dict[str, object]] = {
+    422: {"model": ErrorBody, "description": "Invalid job; `detail` names the fields"},
+}
+
+
+@router.post("/sync_train_config", responses={**_AUTH_ERRORS, **_STATE_ERROR, **_INVALID_JOB})
+def sync_train_config(body: SyncConfigRequest, ctx: Ctx, role: ControlAuth) -> ConfigAccepted:
+    """Store an `AgentJetJob` YAML, validated by the active code. Only while OFFLINE."""
+    return ctx.engine.set_config(body.yaml, role=role)
+
+
+@router.post("/start_engine", responses={**_AUTH_ERRORS, **_STATE_ERROR})
+def start_engine(ctx: Ctx, role: ControlAuth, body: StartEngineRequest | None = None
+                 ) -> EngineStatus:
+    """Start the engine on the last config (a new run). Returns at once in BOOTING.
+
+    Poll `GET /get_engine_status` until a serving state; a failed boot falls back to
+    OFFLINE with `last_error`.
+    """
+    ctx.engine.start(role=role, force_restart=body.force_restart if body else False)
+    return ctx.engine.status()
+
+
+@router.post("/stop_engine", responses=_AUTH_ERRORS)
+def stop_engine(ctx: Ctx, role: ControlAuth, body: StopEngineRequest | None = None
+                ) -> StopEngineResponse:
+    """Stop the engine's process group (TERM, grace, KILL). Idempotent."""
+    return ctx.engine.stop(role=role, reason=body.reason if body else "stopped by request")

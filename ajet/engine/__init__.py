@@ -1,0 +1,26 @@
+"""The AgentJet training engine: run as `python -m ajet.engine` by the swarm server.
+
+This package is the only place that imports torch and transformers, and only in its
+submodules: importing `ajet.engine` itself stays light, so `python -m ajet.engine` can
+fix `sys.path` (the active snapshot first) before anything heavy is loaded.
+
+Modules, one noun each (read in this order):
+
+    config.py       AgentJetJob -> EngineConfig, backend defaults
+    tiny.py         the built-in `ajet-tiny` checkpoint, built locally
+    policy.py       load a checkpoint; chat template; sampling and token log-probs
+    inference.py    the generation thread: continuous batching of chat requests
+    trajectory.py   what an episode recorded (token ids and sampling log-probs)
+    episodes.py     episode registry: claims, timeouts, per-task groups
+    chat_api.py     the private channel (FastAPI on a Unix socket)
+    rewards.py      reward processing
+    advantages.py   GRPO advantages
+    loss.py         clipped policy-gradient loss with optional KL
+    learner.py      optimizer and the update over ppo_epochs
+    metrics.py      metrics.jsonl
+    checkpoints.py  Hugging Face checkpoint directories
+    trainer.py      the step loop (ROLLING -> ROLLING_POST -> WEIGHT_SYNCING)
+    runtime.py      process assembly: boot, serve, signals, shutdown
+"""
+
+__all__: list[str] = []

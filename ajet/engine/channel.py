@@ -1,0 +1,63 @@
+"""The private channel's transport: uvicorn on a Unix socket, in a background thread.
+
+The socket is bound here (stale file removed first), made 0600 before it listens, and
+handed to uvicorn, so no other local user can connect even for a moment. uvicorn runs
+outside the main thread, which therefore keeps the SIGTERM handler (the trainer's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+__all__ = ["ChannelServer"]
+
+log = logging.getLogger(__name__)
+
+#: AF_UNIX paths are limited to 108 bytes on Linux, 104 on macOS (docs/internals.md: 100).
+MAX_SOCKET_PATH = 100
+
+
+class ChannelServer:
+    def __init__(self, app: FastAPI, socket_path: Path) -> None:
+        if len(os.fsencode(str(socket_path))) > MAX_SOCKET_PATH:
+            raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: {socket_path}")
+        self.socket_path = socket_path
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
+                                timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def start(self, *, timeout: float = 30.0) -> None:
+        path = str(self.socket_path)
+        if os.path.lexists(path):
+            os.unlink(path)  # a stale socket from a killed engine
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="ajet-channel", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"the private channel on {path} failed to start")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the private channel on {path} did not start in {timeout}s")
+            time.sleep(0.01)
+        log.info("private channel listening on %s", path)
+
+    def stop(self, *, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)

@@ -1,0 +1,163 @@
+"""Config conversion: a validated `AgentJetJob` becomes the engine's `EngineConfig`.
+
+The job (`ajet/copilot/job.py`) is what users write; `EngineConfig` is what the engine
+runs with: the job's fields plus backend defaults that the job does not expose (device,
+dtype, CPU threads, generation batch, episode slots, ...). Both live in the synced
+snapshot, so a researcher who patches a default here changes the next run.
+
+This module imports no torch: the caller passes what the machine has
+(`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ajet.copilot.job import AgentJetJob
+
+__all__ = [
+    "BackendDefaults",
+    "EngineConfig",
+    "describe",
+    "engine_config_from_job",
+    "load_engine_config",
+]
+
+
+@dataclass(frozen=True)
+class BackendDefaults:
+    """Engine knobs that are not job fields. Change them here; they are logged at boot."""
+
+    #: Episode slots open at once per step, as a multiple of batch_size * num_repeat. A
+    #: full batch never needs more; more slots only sample with a policy about to change.
+    in_flight_factor: float = 1.0
+    #: Most chat completions generated together (continuous batching).
+    max_generation_batch: int = 64
+    #: Sequences per forward/backward in the update; gradients accumulate across them.
+    micro_batch_size: int = 64
+    #: GRPO: added to the group's std before dividing (advantages.py).
+    adv_eps: float = 1e-6
+    #: Rewards are clipped to [-reward_clip, reward_clip]; None keeps them as sent.
+    reward_clip: float | None = None
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.0
+    #: How often idle claims are checked against their timeout.
+    sweep_interval_s: float = 0.2
+    #: Torch intra-op threads on CPU (0 = one per core). The engine shares the machine
+    #: with the swarm server and the rollout workers; tiny matrices gain nothing from more.
+    cpu_threads: int = 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one engine run needs, flat and immutable."""
+
+    # --- from the job
+    experiment_name: str
+    model: str
+    seed: int
+    batch_size: int
+    num_repeat: int
+    lr: float
+    ppo_epochs: int
+    clip_ratio: float
+    kl_coef: float
+    max_grad_norm: float
+    max_prompt_length: int
+    max_response_length: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    save_every: int
+    max_steps: int
+    episode_timeout_s: float
+    n_gpu: int
+    n_proc: int
+    # --- derived / backend
+    device: str
+    dtype: str
+    cpu_threads: int
+    max_in_flight: int
+    max_generation_batch: int
+    micro_batch_size: int
+    adv_eps: float
+    reward_clip: float | None
+    adam_betas: tuple[float, float]
+    weight_decay: float
+    sweep_interval_s: float
+
+    @property
+    def episodes_per_step(self) -> int:
+        return self.batch_size * self.num_repeat
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: int,
+                           backend: BackendDefaults | None = None) -> EngineConfig:
+    """Convert a job; raises `ValueError` naming the field when the machine cannot run it."""
+    backend = backend or BackendDefaults()
+    if job.n_gpu > 0 and cuda_devices == 0:
+        raise ValueError(
+            f"n_gpu={job.n_gpu} but no CUDA device is visible to the engine; "
+            "set n_gpu: 0 to train on CPU"
+        )
+    if job.n_gpu > cuda_devices:
+        raise ValueError(
+            f"n_gpu={job.n_gpu} but only {cuda_devices} CUDA device(s) are visible; "
+            f"set n_gpu to at most {cuda_devices}"
+        )
+    on_gpu = job.n_gpu > 0
+    threads = backend.cpu_threads if backend.cpu_threads > 0 else cpu_count
+    return EngineConfig(
+        experiment_name=job.experiment_name,
+        model=job.model,
+        seed=job.seed,
+        batch_size=job.batch_size,
+        num_repeat=job.num_repeat,
+        lr=job.lr,
+        ppo_epochs=job.ppo_epochs,
+        clip_ratio=job.clip_ratio,
+        kl_coef=job.kl_coef,
+        max_grad_norm=job.max_grad_norm,
+        max_prompt_length=job.max_prompt_length,
+        max_response_length=job.max_response_length,
+        max_new_tokens=job.max_new_tokens,
+        temperature=job.temperature,
+        top_p=job.top_p,
+        save_every=job.save_every,
+        max_steps=job.max_steps,
+        episode_timeout_s=job.episode_timeout_s,
+        n_gpu=job.n_gpu,
+        n_proc=job.n_proc,
+        device="cuda" if on_gpu else "cpu",
+        # bf16 halves memory and is what GPUs train in; CPUs are slow in bf16.
+        dtype="bfloat16" if on_gpu else "float32",
+        cpu_threads=max(1, min(threads, cpu_count)),
+        max_in_flight=max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
+        max_generation_batch=backend.max_generation_batch,
+        micro_batch_size=backend.micro_batch_size,
+        adv_eps=backend.adv_eps,
+        reward_clip=backend.reward_clip,
+        adam_betas=(backend.adam_beta1, backend.adam_beta2),
+        weight_decay=backend.weight_decay,
+        sweep_interval_s=backend.sweep_interval_s,
+    )
+
+
+def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tuple[AgentJetJob,
+                                                                                    EngineConfig]:
+    """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
+    job = AgentJetJob.load_yaml(path)
+    return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
+
+
+def describe(cfg: EngineConfig) -> dict[str, Any]:
+    """The whole config as a dict, for the boot log line."""
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,130 @@
+"""The learner: optimizer state and the policy update over `ppo_epochs`.
+
+One optimizer step per epoch over the whole batch: micro-batches accumulate gradients
+of `loss.policy_loss` (normalised by the batch's response-token count, so accumulation
+equals one big batch), then the gradient norm is clipped to `max_grad_norm` and AdamW
+steps. With `kl_coef > 0` a frozen copy of the initial policy is kept as reference.
+
+Nothing here knows about episodes, HTTP or files: it takes `TrainSample`s and returns
+`UpdateStats`, so with torch.distributed every rank can run it on its share of groups.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ajet.engine.config import EngineConfig
+from ajet.engine.loss import LossTerms, policy_loss
+from ajet.engine.policy import Policy, score_responses
+
+__all__ = ["Learner", "TrainSample", "UpdateStats"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainSample:
+    """One completion to train on, with the advantage of its episode."""
+
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+    old_logprobs: tuple[float, ...]
+    advantage: float
+
+
+@dataclass
+class UpdateStats:
+    loss: float
+    #: mean per-token k3 KL to the initial policy when kl_coef > 0, else to the sampling
+    #: policy (0 for on-policy data in the first epoch)
+    kl: float
+    entropy: float
+    clip_frac: float
+    grad_norm: float
+    tokens: int
+    samples: int
+    seconds: float
+
+
+class Learner:
+    def __init__(self, policy: Policy, cfg: EngineConfig) -> None:
+        self.policy = policy
+        self.cfg = cfg
+        params = [p for p in policy.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
+                                           weight_decay=cfg.weight_decay)
+        self.reference = None
+        if cfg.kl_coef > 0:
+            self.reference = copy.deepcopy(policy.model).eval()
+            for p in self.reference.parameters():
+                p.requires_grad_(False)
+
+    def update(self, samples: Sequence[TrainSample]) -> UpdateStats:
+        """Train on `samples`; holds the policy lock so no token is sampled meanwhile."""
+        start = time.perf_counter()
+        samples = [s for s in samples if s.response_ids]
+        n_tokens = sum(len(s.response_ids) for s in samples)
+        if not samples:
+            return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, time.perf_counter() - start)
+        model, cfg = self.policy.model, self.cfg
+        losses: list[float] = []
+        kl_sum = entropy_sum = clipped = grad_norm = 0.0
+        with self.policy.lock:
+            model.train()
+            try:
+                for epoch in range(cfg.ppo_epochs):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    epoch_loss = epoch_kl = 0.0
+                    for first in range(0, len(samples), cfg.micro_batch_size):
+                        micro = samples[first:first + cfg.micro_batch_size]
+                        terms, entropy = self._micro_batch(micro, n_tokens,
+                                                           with_entropy=epoch == 0)
+                        terms.loss.backward()
+                        epoch_loss += float(terms.loss.detach())
+                        epoch_kl += terms.kl_sum if self.reference is not None \
+                            else terms.approx_kl_old_sum
+                        if epoch == 0:
+                            entropy_sum += entropy
+                        if epoch == cfg.ppo_epochs - 1:
+                            clipped += terms.clipped_tokens
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
+                        model.parameters(), cfg.max_grad_norm))
+                    self.optimizer.step()
+                    losses.append(epoch_loss)
+                    kl_sum = epoch_kl
+            finally:
+                self.optimizer.zero_grad(set_to_none=True)
+                model.eval()
+        return UpdateStats(
+            loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
+            clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
+            samples=len(samples), seconds=time.perf_counter() - start)
+
+    def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int, *, with_entropy: bool
+                     ) -> tuple[LossTerms, float]:
+        cfg, policy = self.cfg, self.policy
+        prompts = [list(s.prompt_ids) for s in micro]
+        responses = [list(s.response_ids) for s in micro]
+        logprobs, mask, entropy = score_responses(
+            policy.model, prompts, responses, pad_id=policy.pad_id,
+            temperature=cfg.temperature, device=policy.device, with_entropy=with_entropy)
+        width = mask.size(1)
+        old = torch.zeros_like(logprobs)  # (B, R)
+        for row, s in enumerate(micro):
+            old[row, :len(s.old_logprobs)] = torch.tensor(s.old_logprobs[:width])
+        advantages = torch.tensor([s.advantage for s in micro], device=policy.device)  # (B,)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref, _, _ = score_responses(self.reference, prompts, responses,
+                                            pad_id=policy.pad_id, temperature=cfg.temperature,
+                                            device=policy.device)
+        terms = policy_loss(logprobs, old, advantages, mask, clip_ratio=cfg.clip_ratio,
+                            n_tokens=n_tokens, ref_logprobs=ref, kl_coef=cfg.kl_coef)
+        return terms, float(entropy.sum()) if entropy is not None else 0.0

@@ -1,0 +1,91 @@
+"""metrics.jsonl: one JSON object per training step, written and flushed by the engine.
+
+Fields (docs/internals.md, "metrics.jsonl fields"): step, reward_mean, reward_std,
+reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episodes,
+tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
+over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
+grad_norm, clip_frac, update_time_s, policy_lag).
+
+`success_rate` is the share of episodes whose `is_success` is true; an episode that did
+not say counts as a success when its reward is > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ajet.engine.episodes import Episode
+from ajet.engine.learner import UpdateStats
+
+__all__ = ["REQUIRED_FIELDS", "MetricsWriter", "step_metrics"]
+
+REQUIRED_FIELDS = (
+    "step", "reward_mean", "reward_std", "reward_min", "reward_max", "success_rate", "loss",
+    "kl", "entropy", "response_length", "episodes", "tokens_per_s", "step_time_s",
+    "wall_time_s",
+)
+
+
+def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[float],
+                 update: UpdateStats, groups: int, step_time_s: float, wall_time_s: float
+                 ) -> dict[str, Any]:
+    """The metrics line of one step (rewards after reward processing)."""
+    n = len(episodes)
+    mean = sum(rewards) / n if n else 0.0
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else 0.0
+    successes = sum(1 for e, r in zip(episodes, rewards, strict=True)
+                    if (e.is_success if e.is_success is not None else r > 0))
+    response_tokens = sum(e.trajectory.response_tokens for e in episodes)
+    # updates between sampling and this one (0 = on-policy: sampled after step - 1 updates)
+    lag = [(step - 1) - c.policy_step for e in episodes for c in e.trajectory.completions]
+    line: dict[str, Any] = {
+        "step": step,
+        "reward_mean": mean,
+        "reward_std": std,
+        "reward_min": min(rewards) if n else 0.0,
+        "reward_max": max(rewards) if n else 0.0,
+        "success_rate": successes / n if n else 0.0,
+        "loss": update.loss,
+        "kl": update.kl,
+        "entropy": update.entropy,
+        "response_length": response_tokens / n if n else 0.0,
+        "episodes": n,
+        "tokens_per_s": response_tokens / step_time_s if step_time_s > 0 else 0.0,
+        "step_time_s": step_time_s,
+        "wall_time_s": wall_time_s,
+        "groups": groups,
+        "grad_norm": update.grad_norm,
+        "clip_frac": update.clip_frac,
+        "update_time_s": update.seconds,
+        "policy_lag": sum(lag) / len(lag) if lag else 0.0,
+    }
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for e in episodes:
+        for key, value in e.log_metrics.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                sums[key] += float(value)
+                counts[key] += 1
+    for key in sorted(sums):
+        line[f"log/{key}"] = sums[key] / counts[key]
+    return line
+
+
+class MetricsWriter:
+    """Appends one line per step to `<run_dir>/metrics.jsonl` and flushes it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
+
+    def write(self, line: dict[str, Any]) -> None:
+        self._file.write(json.dumps(line, allow_nan=False, default=float) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,138 @@
+"""The engine process: parse the command line, boot, serve, train, stop.
+
+    python -m ajet.engine --config <run_dir>/job.yaml --run-dir <run_dir> \\
+        --socket <socket_path> --run-id <run_id> --workdir <server workdir>
+
+Boot order: config (a bad field fails here, named in the traceback), the private
+channel (`GET /status` answers ENGINE.BOOTING from then on), the policy (ajet-tiny is
+built first if needed), the generation thread, then the step loop (`trainer.train`).
+
+Exit codes: 0 after a clean stop (SIGTERM/SIGINT, or `max_steps` reached), with the
+final checkpoint in `<run_dir>/final/`; 1 on any error, its traceback on stderr, which
+the server appends to `<run_dir>/engine.log`. Signal handlers only set an event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main", "parse_args"]
+
+log = logging.getLogger("ajet.engine")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m ajet.engine",
+        description="AgentJet training engine (started by the swarm server)")
+    p.add_argument("--config", type=Path, required=True, help="the run's job.yaml")
+    p.add_argument("--run-dir", type=Path, required=True,
+                   help="metrics.jsonl, checkpoints/ and final/ go here")
+    p.add_argument("--socket", type=Path, default=None,
+                   help="Unix socket of the private channel (default <run-dir>/engine.sock)")
+    p.add_argument("--run-id", default=None, help="the run id the server assigned")
+    p.add_argument("--workdir", type=Path, default=Path.cwd(),
+                   help="the server's work directory (ajet-tiny is built under models/)")
+    p.add_argument("--log-level", default=os.environ.get("AJET_ENGINE_LOG_LEVEL", "INFO"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stop.set()  # only a flag: the step loop notices it within sweep_interval_s
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    try:
+        return _run(args, stop)
+    except Exception:
+        log.exception("engine failed (run %s)", args.run_id)
+        return 1
+
+
+def _run(args: argparse.Namespace, stop: threading.Event) -> int:
+    started = time.monotonic()
+    import ajet
+
+    log.info("engine pid %d, run %s, ajet from %s, python %s", os.getpid(), args.run_id,
+             ajet.__file__, sys.version.split()[0])
+
+    # A bad job fails here, before the slow imports, with each bad field named.
+    from ajet.copilot.job import AgentJetJob
+
+    AgentJetJob.load_yaml(args.config)
+
+    # heavy imports (torch, transformers) only from here on; never reach for the hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # progress bars would fill engine.log
+
+    from ajet.engine.channel import ChannelServer
+    from ajet.engine.chat_api import EpisodePlane, create_channel_app
+    from ajet.engine.checkpoints import save_checkpoint
+    from ajet.engine.config import load_engine_config
+    from ajet.engine.episodes import EpisodeRegistry
+    from ajet.engine.inference import InferenceService
+    from ajet.engine.learner import Learner
+    from ajet.engine.metrics import MetricsWriter
+    from ajet.engine.policy import load_policy, resolve_model_path
+    from ajet.engine.trainer import TrainerParts, train
+
+    run_dir: Path = args.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _job, cfg = load_engine_config(args.config, cuda_devices=torch.cuda.device_count(),
+                                  cpu_count=os.cpu_count() or 1)
+    log.info("config: %s", cfg.to_json())
+    torch.set_num_threads(cfg.cpu_threads)
+    torch.manual_seed(cfg.seed)
+
+    registry = EpisodeRegistry(group_size=cfg.num_repeat, max_in_flight=cfg.max_in_flight,
+                               default_timeout_s=cfg.episode_timeout_s)
+    plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
+                         ajet_file=str(Path(ajet.__file__).resolve()),
+                         info={"experiment_name": cfg.experiment_name, "model": cfg.model,
+                               "device": cfg.device})
+    channel = ChannelServer(create_channel_app(plane), args.socket or run_dir / "engine.sock")
+    channel.start()  # GET /status answers ENGINE.BOOTING from here on
+    inference: InferenceService | None = None
+    metrics: MetricsWriter | None = None
+    try:
+        model_path = resolve_model_path(cfg.model, workdir=args.workdir.resolve(), seed=cfg.seed)
+        policy = load_policy(model_path, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
+        inference = InferenceService(policy, temperature=cfg.temperature, top_p=cfg.top_p,
+                                     max_batch=cfg.max_generation_batch, seed=cfg.seed)
+        inference.start()
+        plane.policy, plane.inference = policy, inference
+        learner = Learner(policy, cfg)
+        metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        log.info("booted in %.1f s", time.monotonic() - started)
+        steps = train(TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
+                                   metrics=metrics, run_dir=run_dir, run_id=args.run_id,
+                                   stop=stop, started=started))
+        reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
+        log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
+        save_checkpoint(policy, run_dir / "final", step=steps, run_id=args.run_id)
+    finally:
+        if inference is not None:
+            inference.stop()
+        channel.stop()
+        if metrics is not None:
+            metrics.close()
+    log.info("engine stopped cleanly")
+    return 0

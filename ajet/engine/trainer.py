@@ -1,0 +1,108 @@
+"""The training step loop: collect groups, drain, update, log, repeat.
+
+One step, top to bottom (docs/internals.md):
+
+    ROLLING         claims open; wait until `batch_size` task groups of `num_repeat`
+                    ended episodes are complete
+    ROLLING_POST    claims closed; wait until every claimed episode ended, was aborted
+                    or timed out (its group may complete too: it waits in the queue)
+    WEIGHT_SYNCING  take the `batch_size` oldest complete groups -> rewards ->
+                    advantages -> update over ppo_epochs -> metrics line -> checkpoint
+    (back to ROLLING)
+
+A stop request (SIGTERM) abandons a step that is still collecting or draining and
+lets an update that has begun finish; the caller then writes the final checkpoint.
+Everything here runs on the process that owns the episode plane (rank 0); the update
+itself (`Learner.update`) is the part every rank would run under torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ajet.engine.advantages import grpo_advantages
+from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
+from ajet.engine.config import EngineConfig
+from ajet.engine.episodes import EpisodeRegistry, Group
+from ajet.engine.learner import Learner, TrainSample
+from ajet.engine.metrics import MetricsWriter, step_metrics
+from ajet.engine.policy import Policy
+from ajet.engine.rewards import process_rewards
+from ajet.protocol import EngineState
+
+__all__ = ["TrainerParts", "build_samples", "train"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainerParts:
+    cfg: EngineConfig
+    registry: EpisodeRegistry
+    policy: Policy
+    learner: Learner
+    metrics: MetricsWriter
+    run_dir: Path
+    run_id: str | None
+    stop: threading.Event
+    #: monotonic time the engine process started (wall_time_s counts from it)
+    started: float
+
+
+def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
+    """One sample per completion; every completion of an episode gets its advantage."""
+    episodes = [e for g in groups for e in g.episodes]
+    samples = []
+    for episode, advantage in zip(episodes, advantages, strict=True):
+        for c in episode.trajectory.completions:
+            samples.append(TrainSample(c.prompt_ids, c.response_ids, c.logprobs, advantage))
+    return samples
+
+
+def train(parts: TrainerParts) -> int:
+    """Run steps until stopped or `max_steps`; returns the number of finished steps."""
+    cfg, registry, stop = parts.cfg, parts.registry, parts.stop
+    step = 0
+    while not stop.is_set() and (cfg.max_steps == 0 or step < cfg.max_steps):
+        step_start = time.monotonic()
+
+        # ROLLING: claims open until batch_size complete groups are waiting.
+        registry.set_state(EngineState.ROLLING, step=step)
+        if not registry.wait_until(lambda: registry.ready_groups() >= cfg.batch_size,
+                                   stop=stop, sweep_interval_s=cfg.sweep_interval_s):
+            break
+
+        # ROLLING_POST: no new claims; in-flight episodes end, abort or time out.
+        registry.set_state(EngineState.ROLLING_POST)
+        if not registry.wait_until(lambda: registry.in_flight() == 0,
+                                   stop=stop, sweep_interval_s=cfg.sweep_interval_s):
+            break
+
+        # WEIGHT_SYNCING: whole groups only, oldest first; the rest wait for the next step.
+        registry.set_state(EngineState.WEIGHT_SYNCING)
+        groups = registry.take_groups(cfg.batch_size)
+        episodes = [e for g in groups for e in g.episodes]
+        rewards = process_rewards([e.reward or 0.0 for e in episodes], clip=cfg.reward_clip)
+        group_ids = [gi for gi, g in enumerate(groups) for _ in g.episodes]
+        advantages = grpo_advantages(rewards, group_ids, eps=cfg.adv_eps)
+        update = parts.learner.update(build_samples(groups, advantages))
+        step += 1
+
+        # metrics line, then a checkpoint every save_every steps
+        now = time.monotonic()
+        line = step_metrics(step=step, episodes=episodes, rewards=rewards, update=update,
+                            groups=len(groups), step_time_s=now - step_start,
+                            wall_time_s=now - parts.started)
+        parts.metrics.write(line)
+        log.info("step %d: reward %.3f, loss %.4f, %d episodes, %.2f s", step,
+                 line["reward_mean"], line["loss"], line["episodes"], line["step_time_s"])
+        if cfg.save_every and step % cfg.save_every == 0:
+            save_checkpoint(parts.policy, step_checkpoint_dir(parts.run_dir, step), step=step,
+                            run_id=parts.run_id)
+    registry.set_state(EngineState.ROLLING_POST, step=step)  # no claims while shutting down
+    return step

@@ -1,0 +1,132 @@
+"""`compare_runs`: what differed between runs (code, config) and how one metric came out.
+
+Used by `SwarmClient.compare_runs(ids, metric)` and the MCP bridge's `compare_runs` tool.
+Everything comes from the server's runs API (`GET /runs/{id}`, `GET /runs/{id}/metrics`);
+nothing is computed on the cluster. Laptop side: no heavy imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:
+    from ajet.client import SwarmClient
+
+__all__ = ["LOWER_IS_BETTER", "ComparedRun", "MetricOutcome", "RunComparison", "compare_runs"]
+
+#: Metrics for which the best value is the smallest; every other metric is maximised.
+LOWER_IS_BETTER = frozenset({"loss", "kl", "step_time_s", "wall_time_s"})
+
+
+class MetricOutcome(BaseModel):
+    first: float | None = None
+    last: float | None = None
+    best: float | None = None
+    best_step: int | None = None
+    points: int = Field(default=0, description="Steps that carried the metric")
+
+
+class ComparedRun(BaseModel):
+    run_id: str
+    snapshot_id: str
+    experiment_name: str
+    status: str
+    reason: str | None = None
+    config_hash: str
+    git_head: str | None = None
+    dirty: bool | None = None
+    config: dict[str, Any] = Field(description="This run's values of the differing fields")
+    metric: MetricOutcome
+
+
+class RunComparison(BaseModel):
+    metric: str
+    higher_is_better: bool
+    runs: list[ComparedRun]
+    same_code: bool = Field(description="All runs used the same snapshot")
+    config_differences: dict[str, dict[str, Any]] = Field(
+        description="field -> run id -> value, for every field whose values differ"
+    )
+    best_run: str | None = Field(description="The run with the best value of the metric")
+
+
+def compare_runs(client: SwarmClient, run_ids: Sequence[str], metric: str = "reward_mean"
+                 ) -> dict[str, Any]:
+    """Per run: snapshot, config differences between the runs, metric first/last/best.
+
+    Returns `RunComparison` as a JSON-ready dict. Raises `SwarmNotFound` for an unknown id.
+    """
+    if not run_ids:
+        raise ValueError("compare_runs needs at least one run id; list_runs() gives them")
+    runs = [client.get_run(run_id) for run_id in run_ids]
+    configs = {run.run_id: _flatten(_load(run.config_yaml)) for run in runs}
+    differences = _differences(configs)
+    higher_is_better = metric not in LOWER_IS_BETTER
+
+    compared: list[ComparedRun] = []
+    for run in runs:
+        points = client.get_metrics(run.run_id, fields=[metric]).points
+        prov = run.provenance
+        compared.append(ComparedRun(
+            run_id=run.run_id, snapshot_id=run.snapshot_id, experiment_name=run.experiment_name,
+            status=run.status, reason=run.reason, config_hash=run.config_hash,
+            git_head=prov.git_head if prov else None, dirty=prov.dirty if prov else None,
+            config={key: values[run.run_id] for key, values in differences.items()},
+            metric=_outcome(points, metric, higher_is_better),
+        ))
+    scored = [c for c in compared if c.metric.best is not None]
+    best = (max if higher_is_better else min)(scored, key=lambda c: c.metric.best or 0.0,
+                                              default=None)
+    return RunComparison(
+        metric=metric, higher_is_better=higher_is_better, runs=compared,
+        same_code=len({run.snapshot_id for run in runs}) == 1,
+        config_differences=differences, best_run=best.run_id if best else None,
+    ).model_dump(mode="json")
+
+
+def _load(text: str | None) -> dict[str, Any]:
+    data = yaml.safe_load(text or "") or {}
+    return data if isinstance(data, dict) else {}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def _differences(configs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    keys = sorted(set().union(*configs.values())) if configs else []
+    out: dict[str, dict[str, Any]] = {}
+    for key in keys:
+        values = {run_id: config.get(key) for run_id, config in configs.items()}
+        # compare as JSON text so lists and dicts compare too; a missing key is a difference
+        seen = {json.dumps(config.get(key, "<missing>"), sort_keys=True, default=str)
+                for config in configs.values()}
+        if len(seen) > 1:
+            out[key] = values
+    return out
+
+
+def _outcome(points: list[dict[str, Any]], metric: str, higher_is_better: bool
+             ) -> MetricOutcome:
+    series = [(int(p["step"]), float(p[metric])) for p in points
+              if isinstance(p.get(metric), (int, float)) and not isinstance(p.get(metric), bool)
+              and math.isfinite(p[metric])]
+    if not series:
+        return MetricOutcome()
+    pick = max if higher_is_better else min
+    best_step, best = pick(series, key=lambda sv: sv[1])
+    return MetricOutcome(first=series[0][1], last=series[-1][1], best=best, best_step=best_step,
+                         points=len(series))

@@ -1,0 +1,569 @@
+"""The logic of the bridge's tools, as plain functions of a `Bridge` (no MCP here).
+
+`mcp_bridge.server` wraps each function in one `@mcp.tool()`; tests call them directly
+against a real swarm server. Every function returns a small pydantic result (see
+`mcp_bridge.models`) and raises `ToolError` with the next call named. The sync flow,
+with its approvals, lives in `mcp_bridge.sync`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import yaml
+
+from ajet.client import SERVING_STATES
+from ajet.copilot.job import default_job_values
+from ajet.errors import SwarmError, SwarmNotFound
+from ajet.protocol import EngineState, EngineStatus, LastError, RunPublic
+from mcp_bridge.bridge import Bridge, swarm_errors, tool_error
+from mcp_bridge.models import (
+    ActivateResult,
+    CompareResult,
+    ConfigChange,
+    ConfigureResult,
+    EngineStatusResult,
+    ErrorInfo,
+    LogsResult,
+    MetricsResult,
+    MetricTrend,
+    RolloutInfo,
+    RolloutStartResult,
+    RolloutStatusResult,
+    RolloutStopResult,
+    RunComparison,
+    RunRow,
+    RunsResult,
+    SnapshotRow,
+    SnapshotsResult,
+    StartResult,
+    StopResult,
+    ToolName,
+)
+from mcp_bridge.rollouts import RolloutHandle, RolloutsUnavailable
+
+__all__ = [
+    "DEFAULT_METRICS",
+    "activate_snapshot",
+    "compare_runs",
+    "configure",
+    "current_config",
+    "engine_status",
+    "list_runs",
+    "list_snapshots",
+    "read_logs",
+    "read_metrics",
+    "rollout_status",
+    "start_engine",
+    "start_rollouts",
+    "stop_engine",
+    "stop_rollouts",
+]
+
+log = logging.getLogger(__name__)
+
+#: The metrics `read_metrics` and `compare_runs` look at unless told otherwise.
+DEFAULT_METRICS = ("reward_mean", "success_rate", "loss", "response_length")
+_LOG_LINE_CHARS = 400
+_LOG_TOTAL_CHARS = 6000
+_TAIL_LINES = 12
+_POLL_S = 0.25
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def _error_info(err: LastError | None, *, tail: int = _TAIL_LINES) -> ErrorInfo | None:
+    if err is None:
+        return None
+    return ErrorInfo(reason=err.reason[:1000], exit_code=err.exit_code, run_id=err.run_id,
+                     at=_iso(err.at), log_tail=[ln[:_LOG_LINE_CHARS] for ln in err.log_tail[-tail:]])
+
+
+# ---------------------------------------------------------------------------- status
+
+
+def engine_status(bridge: Bridge) -> EngineStatusResult:
+    """The engine's state, run, code, last error; this bridge's rollouts and approvals."""
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS} again"):
+        status = bridge.client.get_engine_status()
+    pending = [a.id for a in bridge.approvals.list()
+               if a.status.value == "pending" and not a.expired(time.time())
+               and a.server_url.rstrip("/") == bridge.config.swarm_url.rstrip("/")]
+    rollouts = [_rollout_info(h) for h in bridge.rollouts.list() if h.running()]
+    return EngineStatusResult(
+        message=_status_message(status),
+        engine_state=status.state.value, run_id=status.run_id, step=status.step,
+        snapshot_id=status.snapshot_id, snapshot_path=status.snapshot_path,
+        experiment_name=status.experiment_name, has_config=status.has_config,
+        ajet_file=status.ajet_file, in_state_since=_iso(status.since),
+        last_error=_error_info(status.last_error), rollouts=rollouts,
+        approval_mode=bridge.config.approval, pending_approvals=pending,
+    )
+
+
+def _status_message(status: EngineStatus) -> str:
+    state = status.state
+    if state == EngineState.OFFLINE:
+        if status.last_error is not None:
+            return (f"Engine is {state}; the last run failed: {status.last_error.reason[:200]}. "
+                    f"Read last_error, call {ToolName.READ_LOGS}, fix, then {ToolName.START_ENGINE}.")
+        if not status.has_config:
+            return f"Engine is {state} with no config; call {ToolName.CONFIGURE}, then {ToolName.START_ENGINE}."
+        return f"Engine is {state}; call {ToolName.START_ENGINE} to train."
+    if state == EngineState.BOOTING:
+        return f"Engine is {state} (run {status.run_id}); call {ToolName.ENGINE_STATUS} again shortly."
+    return (f"Engine is {state}, run {status.run_id}, step {status.step}; call "
+            f"{ToolName.READ_METRICS} to follow training.")
+
+
+# ---------------------------------------------------------------------------- config
+
+
+def current_config(bridge: Bridge) -> tuple[dict[str, Any] | None, str]:
+    """The server's current config and where it was read from.
+
+    The server's own stored config when it exposes one (`SwarmClient.get_train_config`),
+    else the config this bridge last sent, else the latest run's config; None if none.
+    """
+    getter = getattr(bridge.client, "get_train_config", None)
+    if callable(getter):
+        try:
+            data = getter()
+        except SwarmNotFound:
+            data = None
+        if data is not None:
+            config = data.config if hasattr(data, "config") else data
+            if isinstance(config, dict):
+                return dict(config), "the server's current config"
+    sent = bridge.last_sent_config()
+    if sent is not None:
+        return sent, ("the config this bridge last sent (the server has no route to read its "
+                      "current config; another client may have changed it since)")
+    try:
+        page = bridge.client.list_runs(limit=1)
+        if page.runs:
+            run = bridge.client.get_run(page.runs[0].run_id)
+            if run.config_yaml:
+                loaded = yaml.safe_load(run.config_yaml)
+                if isinstance(loaded, dict):
+                    return loaded, f"the config of the latest run {run.run_id}"
+    except SwarmError as exc:
+        log.info("no run config to compare with: %s", exc)
+    return None, "the defaults (no earlier config known)"
+
+
+def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -> ConfigureResult:
+    """Merge `changes` into the current config (or the defaults with `reset`) and send it.
+
+    The server validates with the active code's own schema (so a synced schema change
+    counts) and names bad fields; the result lists what changed.
+    """
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
+        status = bridge.client.get_engine_status()
+    if status.state != EngineState.OFFLINE:
+        raise tool_error(
+            f"the engine is {status.state}; the config can change only while it is OFFLINE",
+            f"call {ToolName.STOP_ROLLOUTS}, {ToolName.STOP_ENGINE}, then {ToolName.CONFIGURE} "
+            f"again and {ToolName.START_ENGINE}",
+        )
+    base, source = current_config(bridge)
+    merged = {**({} if reset else base or {}), **changes}
+    text = yaml.safe_dump(merged, sort_keys=False)
+    with swarm_errors(f"fix the named field(s) and call {ToolName.CONFIGURE} again"):
+        accepted = bridge.client.sync_train_config(text)
+    bridge.remember_config(accepted.config)
+    before = base if base is not None else default_job_values()
+    changed = [ConfigChange(field=k, before=before.get(k), after=accepted.config.get(k))
+               for k in sorted(set(before) | set(accepted.config))
+               if before.get(k) != accepted.config.get(k)]
+    what = ", ".join(f"{c.field}={c.after!r}" for c in changed[:8]) or "nothing"
+    return ConfigureResult(
+        message=(f"Config accepted for experiment {accepted.experiment_name!r}; changed {what}. "
+                 f"Next: {ToolName.START_ENGINE}."),
+        experiment_name=accepted.experiment_name, config_hash=accepted.config_hash,
+        changed=changed, compared_with=source, config=accepted.config,
+    )
+
+
+# ---------------------------------------------------------------------------- engine
+
+
+def start_engine(bridge: Bridge, *, force_restart: bool = False,
+                 wait_s: float | None = None) -> StartResult:
+    """Start a run and wait (bounded) until it serves episodes; a failed boot is an error."""
+    wait = bridge.config.start_wait_s if wait_s is None else max(0.0, wait_s)
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
+        before = bridge.client.get_engine_status()
+    if not before.has_config:
+        raise tool_error("the server has no training config yet",
+                         f"call {ToolName.CONFIGURE} (defaults are fine), then {ToolName.START_ENGINE}")
+    if before.state != EngineState.OFFLINE and not force_restart:
+        raise tool_error(
+            f"the engine is already {before.state} (run {before.run_id})",
+            f"use it ({ToolName.READ_METRICS}), or call {ToolName.START_ENGINE} with "
+            "force_restart=true to restart it",
+        )
+    t0 = time.monotonic()
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS} and {ToolName.READ_LOGS}"):
+        status = bridge.client.start_engine(force_restart=force_restart)
+        run_id = status.run_id
+        deadline = t0 + wait
+        while True:
+            if status.state in SERVING_STATES:
+                break
+            if status.state == EngineState.OFFLINE:
+                err = status.last_error
+                if err is not None and (run_id is None or err.run_id in (None, run_id)):
+                    _raise_engine_died(err)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_S)
+            status = bridge.client.get_engine_status()
+            run_id = run_id or status.run_id
+    waited = round(time.monotonic() - t0, 1)
+    if status.state in SERVING_STATES:
+        message = (f"Run {status.run_id} is {status.state} on snapshot {status.snapshot_id[:12]}. "
+                   f"Next: {ToolName.START_ROLLOUTS}, then {ToolName.READ_METRICS}.")
+    else:
+        message = (f"Run {run_id} is still {status.state} after {waited}s. Next: call "
+                   f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING ({ToolName.READ_LOGS} shows boot progress).")
+    return StartResult(message=message, run_id=status.run_id or run_id,
+                       engine_state=status.state.value, snapshot_id=status.snapshot_id,
+                       ajet_file=status.ajet_file, waited_s=waited)
+
+
+def _raise_engine_died(err: LastError) -> None:
+    tail = "\n".join(ln[:_LOG_LINE_CHARS] for ln in err.log_tail[-_TAIL_LINES:])
+    raise tool_error(
+        f"the engine died while starting (run {err.run_id}, exit code {err.exit_code}): "
+        f"{err.reason[:800]}\nlog tail:\n{tail}",
+        f"{ToolName.READ_LOGS} for more; fix the code under ajet/ and call "
+        f"{ToolName.SYNC_TRAIN_CODE}, or roll back with {ToolName.ACTIVATE_SNAPSHOT}; "
+        f"then {ToolName.START_ENGINE}",
+    )
+
+
+def stop_engine(bridge: Bridge, *, reason: str = "stopped by the research agent",
+                stop_rollouts: bool = True) -> StopResult:
+    """Stop this bridge's rollouts (by default), then the engine; idempotent."""
+    stopped = [h.handle for h in bridge.rollouts.list() if h.running()] if stop_rollouts else []
+    for handle in stopped:
+        bridge.rollouts.stop(handle)
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
+        result = bridge.client.stop_engine(reason=reason[:500])
+    if result.stopped:
+        message = (f"Run {result.run_id} stopped; engine is {result.state}. Next: "
+                   f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then {ToolName.START_ENGINE}.")
+    else:
+        message = f"No engine was running (state {result.state}). Next: {ToolName.START_ENGINE} when ready."
+    return StopResult(message=message, stopped=result.stopped, run_id=result.run_id,
+                      engine_state=result.state.value, rollouts_stopped=stopped)
+
+
+# ---------------------------------------------------------------------------- metrics, logs
+
+
+def read_metrics(bridge: Bridge, *, run_id: str = "current", metrics: Sequence[str] | None = None,
+                 last_n: int = 20, plot: bool = False) -> tuple[MetricsResult, bytes | None]:
+    """Latest values, the trend over the last `last_n` steps, and optionally a PNG plot."""
+    names = list(dict.fromkeys(metrics or DEFAULT_METRICS))
+    last_n = max(1, min(last_n, 500))
+    with swarm_errors(f"call {ToolName.LIST_RUNS} for valid run ids; if there is no run yet, "
+                      f"{ToolName.CONFIGURE} and {ToolName.START_ENGINE}"):
+        head = bridge.client.get_metrics(run_id, max_points=1)
+        rid = head.run_id
+        if not head.points or head.last_step is None:
+            return MetricsResult(
+                message=(f"Run {rid} has no metrics yet (a step needs batch_size x num_repeat "
+                         f"episodes). Next: check {ToolName.ROLLOUT_STATUS}, then "
+                         f"{ToolName.READ_METRICS} again."),
+                run_id=rid, total_steps=head.total_steps, window="none",
+            ), None
+        since = max(-1, head.last_step - last_n)
+        window = bridge.client.get_metrics(rid, since_step=since, fields=names)
+    points = [p for p in window.points if _num(p.get("step")) is not None
+              and p["step"] > head.last_step - last_n]
+    latest = {k: _round(v) for k, v in head.points[-1].items()}
+    trend = [_trend(name, points) for name in names]
+    recent = [{k: _round(p.get(k)) for k in ["step", *names] if k in p} for p in points[-5:]]
+    png: bytes | None = None
+    if plot:
+        from mcp_bridge.plotting import plot_metrics_png
+
+        with swarm_errors(f"call {ToolName.READ_METRICS} without plot"):
+            full = bridge.client.get_metrics(rid, fields=names, max_points=300)
+        png = plot_metrics_png(full.points, names, title=f"run {rid}")
+    first_step = points[0]["step"] if points else head.last_step
+    unknown = [t.metric for t in trend if t.points == 0]
+    message = f"Run {rid}: {head.total_steps} step(s), last step {head.last_step}."
+    if unknown:
+        message += (f" No values for {', '.join(unknown)}; 'latest' lists the metric names "
+                    "this run has.")
+    message += (f" Next: {ToolName.READ_METRICS} again later, or {ToolName.COMPARE_RUNS} "
+                 "against a baseline run.")
+    return MetricsResult(
+        message=message, run_id=rid, total_steps=head.total_steps, last_step=head.last_step,
+        window=f"{first_step}-{head.last_step}", latest=latest, trend=trend, recent=recent,
+        plot_attached=png is not None,
+    ), png
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(float(value)) else None
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.6g}")
+    return value
+
+
+def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
+    pairs = [(float(p["step"]), v) for p in points if (v := _num(p.get(name))) is not None]
+    if not pairs:
+        return MetricTrend(metric=name)
+    ys = [y for _, y in pairs]
+    lo, hi = min(ys), max(ys)
+    direction = "flat"
+    if len(pairs) >= 2 and hi > lo:
+        # Least-squares slope over the window: less fooled by one noisy end point than
+        # last - first. "flat" when the fitted rise is under 10% of the observed range.
+        xs = [x for x, _ in pairs]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        sxx = sum((x - mx) ** 2 for x in xs)
+        slope = sum((x - mx) * (y - my) for x, y in pairs) / sxx if sxx else 0.0
+        rise = slope * (xs[-1] - xs[0])
+        if abs(rise) >= 0.1 * (hi - lo):
+            direction = "up" if rise > 0 else "down"
+    return MetricTrend(metric=name, first=_round(ys[0]), last=_round(ys[-1]), min=_round(lo),
+                       max=_round(hi), mean=_round(sum(ys) / len(ys)),
+                       change=_round(ys[-1] - ys[0]), direction=direction, points=len(ys))
+
+
+def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
+              grep: str | None = None) -> LogsResult:
+    """The last lines of a run's engine log, optionally only those matching `grep`."""
+    if grep:
+        try:
+            re.compile(grep)
+        except re.error as exc:
+            raise tool_error(f"grep {grep!r} is not a valid regular expression ({exc})",
+                             f"call {ToolName.READ_LOGS} with a plain word or a valid pattern") from exc
+    tail = max(1, min(tail, 500))
+    with swarm_errors(f"call {ToolName.LIST_RUNS} for run ids"):
+        logs = bridge.client.get_run_logs(run_id, tail=tail, grep=grep or None, regex=True)
+    lines = [ln if len(ln) <= _LOG_LINE_CHARS else ln[:_LOG_LINE_CHARS] + " ...(cut)"
+             for ln in logs.lines]
+    kept: list[str] = []
+    used = 0
+    for line in reversed(lines):  # keep the newest lines within the size budget
+        if used + len(line) > _LOG_TOTAL_CHARS:
+            break
+        kept.append(line)
+        used += len(line) + 1
+    kept.reverse()
+    truncated = logs.truncated or len(kept) < len(lines)
+    message = f"{len(kept)} line(s) of run {logs.run_id}'s log ({logs.total_lines} in all)."
+    if len(kept) < len(lines):
+        message += f" Older lines cut to fit; use grep or a smaller tail to see others."
+    message += f" Next: {ToolName.READ_LOGS} with grep='Traceback' to find errors, or {ToolName.ENGINE_STATUS}."
+    return LogsResult(message=message, run_id=logs.run_id, lines=kept,
+                      total_lines=logs.total_lines, truncated=truncated)
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+def _run_row(run: RunPublic) -> RunRow:
+    reward = run.summary.get("reward_mean", {})
+    return RunRow(
+        run_id=run.run_id, status=run.status, experiment_name=run.experiment_name,
+        snapshot_id=run.snapshot_id[:16], started=_iso(run.started_at) or "",
+        ended=_iso(run.ended_at), last_step=run.last_step,
+        reason=(run.reason or None) and str(run.reason)[:200],
+        reward_last=_round(_num(reward.get("last"))), reward_best=_round(_num(reward.get("best"))),
+    )
+
+
+def list_runs(bridge: Bridge, *, experiment_name: str | None = None, status: str | None = None,
+              offset: int = 0, limit: int = 10) -> RunsResult:
+    """Runs, newest first, one small row each."""
+    limit = max(1, min(limit, 30))
+    with swarm_errors(f"call {ToolName.LIST_RUNS} without filters"):
+        page = bridge.client.list_runs(experiment_name=experiment_name, status=status,
+                                       offset=max(0, offset), limit=limit)
+    rows = [_run_row(r) for r in page.runs]
+    next_offset = page.offset + len(rows) if page.offset + len(rows) < page.total else None
+    message = f"{len(rows)} of {page.total} run(s)."
+    if next_offset is not None:
+        message += f" More: {ToolName.LIST_RUNS} with offset={next_offset}."
+    message += f" Next: {ToolName.COMPARE_RUNS} with two run ids."
+    return RunsResult(message=message, runs=rows, total=page.total, next_offset=next_offset)
+
+
+def compare_runs(bridge: Bridge, run_ids: Sequence[str], *,
+                 metric: str = "reward_mean") -> CompareResult:
+    """Per run: code snapshot, metric first/last/best; config fields that differ.
+
+    The comparison itself is `ajet.run_compare` (shared with `SwarmClient.compare_runs`);
+    this shapes it for a context window.
+    """
+    from ajet.run_compare import RunComparison as Comparison
+    from ajet.run_compare import compare_runs as compare
+
+    ids = list(dict.fromkeys(run_ids))
+    if not 2 <= len(ids) <= 6:
+        raise tool_error(f"compare_runs needs 2 to 6 distinct run ids, got {len(ids)}",
+                         f"call {ToolName.LIST_RUNS} and pass two or more of its run ids")
+    with swarm_errors(f"call {ToolName.LIST_RUNS} for valid run ids"):
+        got = Comparison.model_validate(compare(bridge.client, ids, metric))
+    rows = [RunComparison(
+        run_id=r.run_id, snapshot_id=r.snapshot_id[:16], status=r.status,
+        experiment_name=r.experiment_name, steps=r.metric.points,
+        first=_round(r.metric.first), last=_round(r.metric.last), best=_round(r.metric.best),
+        best_step=r.metric.best_step,
+    ) for r in got.runs]
+    differences = {k: {rid: _round(v) for rid, v in vals.items()}
+                   for k, vals in list(got.config_differences.items())[:30]}
+    message = (f"Compared {len(rows)} runs on {metric} "
+               f"({'higher' if got.higher_is_better else 'lower'} is better); best: "
+               f"{got.best_run or 'n/a (no values: check the metric name with read_metrics)'}.")
+    if not got.same_code:
+        message += " The runs used different code snapshots."
+    if differences:
+        message += f" Config differs in: {', '.join(list(differences)[:8])}."
+    message += (" Judge by last and best over the same number of steps. Next: keep the better "
+                f"snapshot, or {ToolName.ACTIVATE_SNAPSHOT} to roll back.")
+    return CompareResult(message=message, metric=metric, runs=rows, same_code=got.same_code,
+                         config_differences=differences, best_run=got.best_run)
+
+
+# ---------------------------------------------------------------------------- snapshots
+
+
+def list_snapshots(bridge: Bridge, *, limit: int = 10) -> SnapshotsResult:
+    """Code snapshots on the server, newest first, and which one is active."""
+    limit = max(1, min(limit, 50))
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
+        page = bridge.client.list_snapshots()
+    snaps = sorted(page.snapshots, key=lambda s: s.created, reverse=True)
+    rows = [SnapshotRow(snapshot_id=s.snapshot_id, created=_iso(s.created) or "",
+                        files=s.file_count, bytes=s.total_bytes, active=s.active,
+                        git_head=(s.provenance.git_head or None) and s.provenance.git_head[:12],
+                        dirty=s.provenance.dirty, approved_by=s.approved_by)
+            for s in snaps[:limit]]
+    message = (f"{len(rows)} of {len(snaps)} snapshot(s); active: {page.active[:16]}. "
+               f"Next: {ToolName.ACTIVATE_SNAPSHOT} with a snapshot_id (or 'server') to roll back.")
+    return SnapshotsResult(message=message, active=page.active, snapshots=rows, total=len(snaps))
+
+
+def activate_snapshot(bridge: Bridge, snapshot_id: str, *,
+                      force_restart: bool = False) -> ActivateResult:
+    """Make an earlier snapshot (or 'server') the active code, without an upload."""
+    with swarm_errors(f"call {ToolName.LIST_SNAPSHOTS} for valid ids; {ToolName.STOP_ENGINE} "
+                      "first or pass force_restart=true if the engine runs"):
+        result = bridge.client.activate_snapshot(snapshot_id, force_restart=force_restart)
+    if result.restarted:
+        message = (f"Snapshot {result.snapshot_id[:16]} is active and run {result.run_id} "
+                   f"restarted on it. Next: {ToolName.ENGINE_STATUS}, then {ToolName.START_ROLLOUTS}.")
+    else:
+        message = (f"Snapshot {result.snapshot_id[:16]} is active. Next: {ToolName.START_ENGINE}.")
+    return ActivateResult(message=message, snapshot_id=result.snapshot_id, path=result.path,
+                          activated=result.activated, restarted=result.restarted,
+                          run_id=result.run_id, engine_state=result.state.value)
+
+
+# ---------------------------------------------------------------------------- rollouts
+
+
+def _rollout_info(job: RolloutHandle) -> RolloutInfo:
+    error: str | None = None
+    try:
+        raw = job.stats()
+    except Exception as exc:  # the runner's stats must never break a status call
+        raw, error = {}, f"stats unavailable: {exc}"
+    stats = {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v)[:200])
+             for k, v in list(raw.items())[:20]}
+    return RolloutInfo(handle=job.handle, workflow=job.workflow, running=job.running(),
+                       n_workers=job.n_workers, num_repeat=job.num_repeat, tasks=job.tasks,
+                       started=_iso(job.started_at) or "", stats=stats, error=error)
+
+
+def start_rollouts(bridge: Bridge, workflow: str, *, n_workers: int = 4,
+                   num_repeat: int | None = None,
+                   max_episodes: int | None = None) -> RolloutStartResult:
+    """Run `workflow` ('package.module:function' in the repo) with N background workers."""
+    if not re.fullmatch(r"[A-Za-z0-9_][\w./-]*:[A-Za-z_]\w*", workflow):
+        raise tool_error(
+            f"workflow {workflow!r} is not 'package.module:function' or 'path/file.py:function'",
+            f"call {ToolName.START_ROLLOUTS} with e.g. 'examples/digits_workflow.py:workflow'")
+    n_workers = max(1, min(n_workers, 64))
+    if num_repeat is None:
+        config, _ = current_config(bridge)
+        num_repeat = int((config or default_job_values()).get("num_repeat", 1))
+    try:
+        job = bridge.rollouts.start(workflow, n_workers=n_workers, num_repeat=num_repeat,
+                                    max_episodes=max_episodes)
+    except RolloutsUnavailable as exc:
+        raise tool_error(str(exc), "install an ajet with ajet/rollout.py on this laptop") from exc
+    except Exception as exc:  # importing user code can raise anything; report it
+        raise tool_error(
+            f"cannot load workflow {workflow!r} from {bridge.repo}: {type(exc).__name__}: "
+            f"{str(exc)[:800]}",
+            "make sure the module is importable from the repo root and defines the function "
+            f"and TASKS (or tasks()); then call {ToolName.START_ROLLOUTS} again",
+        ) from exc
+    with swarm_errors(f"call {ToolName.ROLLOUT_STATUS}"):
+        state = bridge.client.get_engine_status().state
+    message = (f"Rollouts {job.handle} started: {n_workers} worker(s), {job.tasks} task(s) x "
+               f"{num_repeat}.")
+    if state not in SERVING_STATES:
+        message += f" The engine is {state}: workers wait until it serves; call {ToolName.START_ENGINE}."
+    message += f" Next: {ToolName.READ_METRICS} or {ToolName.ROLLOUT_STATUS} with handle={job.handle}."
+    return RolloutStartResult(message=message, handle=job.handle, workflow=workflow,
+                              n_workers=n_workers, num_repeat=num_repeat, tasks=job.tasks)
+
+
+def rollout_status(bridge: Bridge, *, handle: str | None = None) -> RolloutStatusResult:
+    """One rollout job, or all of this bridge's jobs (running first, at most 10)."""
+    if handle:
+        job = bridge.rollouts.get(handle)
+        if job is None:
+            raise tool_error(f"no rollouts with handle {handle!r}",
+                             f"call {ToolName.ROLLOUT_STATUS} without a handle to list them")
+        jobs = [job]
+    else:
+        jobs = sorted(bridge.rollouts.list(), key=lambda j: (not j.running(), -j.started_at))[:10]
+    infos = [_rollout_info(j) for j in jobs]
+    running = sum(1 for i in infos if i.running)
+    message = f"{running} running, {len(infos) - running} stopped rollout job(s) shown."
+    message += (f" Next: {ToolName.READ_METRICS}." if running else
+                f" Next: {ToolName.START_ROLLOUTS} to send episodes.")
+    return RolloutStatusResult(message=message, rollouts=infos)
+
+
+def stop_rollouts(bridge: Bridge, *, handle: str | None = None) -> RolloutStopResult:
+    """Stop one rollout job, or all of them; idempotent."""
+    if handle:
+        if bridge.rollouts.get(handle) is None:
+            raise tool_error(f"no rollouts with handle {handle!r}",
+                             f"call {ToolName.ROLLOUT_STATUS} to list handles")
+        targets = [handle]
+    else:
+        targets = [j.handle for j in bridge.rollouts.list() if j.running()]
+    stopped = [_rollout_info(job) for h in targets if (job := bridge.rollouts.stop(h)) is not None]
+    message = (f"Stopped {len(stopped)} rollout job(s). Next: {ToolName.STOP_ENGINE} or "
+               f"{ToolName.SYNC_TRAIN_CODE}.")
+    return RolloutStopResult(message=message, stopped=stopped)

@@ -1,0 +1,119 @@
+"""Validate a job's YAML with the *active code's* own validator, in a short subprocess.
+
+DESIGN.md: whatever a researcher may patch runs from the active snapshot, config
+validation included, so a synced change to `ajet/copilot/job.py` takes effect. The
+server therefore never imports the job model itself; it runs
+`python -m ajet.copilot.validate` with the snapshot first on `PYTHONPATH` and reads one
+JSON object from its stdout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from swarm_server.errors import Unprocessable
+from swarm_server.settings import Settings
+from swarm_server.supervisor import snapshot_env
+
+__all__ = ["ValidatedConfig", "config_hash", "validate_job_yaml"]
+
+log = logging.getLogger(__name__)
+
+_HINT_FIX_CODE = ("the validator of the active code failed: fix ajet/copilot/ in your tree and "
+                  "sync again, or activate the server's code with activate_snapshot('server')")
+
+
+@dataclass(frozen=True)
+class ValidatedConfig:
+    """A job accepted by the active code's validator."""
+
+    config: dict[str, Any]  # every field, defaults filled in
+    yaml_text: str  # the normalised YAML stored and handed to the engine
+    config_hash: str  # sha256 of `yaml_text`
+    experiment_name: str
+    ajet_file: str | None  # which ajet the validator ran from
+
+
+def config_hash(yaml_text: str) -> str:
+    return hashlib.sha256(yaml_text.encode("utf-8")).hexdigest()
+
+
+def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None
+                      ) -> ValidatedConfig:
+    """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
+
+    Raises `Unprocessable` naming each bad field, or saying why the validator failed.
+    """
+    cmd = [settings.engine_python, "-m", "ajet.copilot.validate"]
+    # cwd is sys.path[0] under -m: the snapshot itself, or the workdir (no ajet/ inside)
+    cwd = base_dir if base_dir is not None else settings.workdir
+    try:
+        proc = subprocess.run(
+            cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
+            env=snapshot_env(base_dir), timeout=settings.config_validate_timeout_s, check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise Unprocessable(
+            f"the job validator did not finish within {settings.config_validate_timeout_s:.0f}s",
+            _HINT_FIX_CODE,
+        ) from exc
+    except OSError as exc:
+        raise Unprocessable(f"cannot run the job validator ({cmd[0]}): {exc}",
+                            "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
+    stderr_tail = proc.stderr.decode("utf-8", errors="replace").strip().splitlines()[-15:]
+    try:
+        result = json.loads(proc.stdout)
+        if not isinstance(result, dict) or "ok" not in result:
+            raise ValueError("not a validator result")
+    except ValueError as exc:
+        raise Unprocessable(
+            {"message": f"the job validator exited with code {proc.returncode} without a result",
+             "stderr": stderr_tail},
+            _HINT_FIX_CODE,
+        ) from exc
+
+    ajet_file = result.get("ajet_file")
+    if base_dir is not None and ajet_file and not _inside(Path(ajet_file), base_dir):
+        log.warning("job validator ran from %s, not from the active snapshot %s", ajet_file,
+                    base_dir)
+    if not result["ok"]:
+        errors = [_error(e) for e in result.get("errors") or []]
+        # a whole-job rule (loc []) is named by its message: "max_new_tokens must not ..."
+        fields = "; ".join(".".join(e["loc"]) or e["msg"].removeprefix("Value error, ")
+                           for e in errors) or "(job)"
+        raise Unprocessable(
+            errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
+                        "type": "value_error"}],
+            f"fix the job field(s): {fields}; nothing was changed (the previous config stays)",
+        )
+    config = result.get("config")
+    if not isinstance(config, dict):
+        raise Unprocessable("the job validator returned no config", _HINT_FIX_CODE)
+    text = yaml.safe_dump(config, sort_keys=False)
+    return ValidatedConfig(
+        config=config, yaml_text=text, config_hash=config_hash(text),
+        experiment_name=str(config.get("experiment_name") or ""), ajet_file=ajet_file,
+    )
+
+
+def _error(raw: Any) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        return {"loc": [], "msg": str(raw), "type": "value_error"}
+    return {"loc": [str(p) for p in raw.get("loc") or []], "msg": str(raw.get("msg", "")),
+            "type": str(raw.get("type", "value_error"))}
+
+
+def _inside(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,115 @@
+"""Reading a run directory: `metrics.jsonl` (points, summary, downsampling) and `engine.log`.
+
+The engine writes these files (docs/internals.md, "Files in the run dir"); the server
+only reads them, at the end of a run (summary into the ledger) and on every API read.
+A half-written last line (the engine is mid-write) is skipped, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "SUMMARY_FIELDS",
+    "downsample",
+    "read_log_lines",
+    "read_metrics",
+    "summarize",
+]
+
+#: Fields summarised per run (`RunPublic.summary`): best = max, except `loss` = min.
+SUMMARY_FIELDS = ("reward_mean", "success_rate", "loss", "response_length")
+_LOWER_IS_BETTER = frozenset({"loss"})
+
+#: Only the end of a huge log is scanned; older lines are reported as truncated.
+MAX_LOG_SCAN_BYTES = 16 * 1024 * 1024
+#: Longer log lines are cut (and searched) at this length.
+MAX_LOG_LINE_CHARS = 4000
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """All complete metric points, in file order; each has an integer `step`."""
+    try:
+        text = path.read_text("utf-8", errors="replace")
+    except FileNotFoundError:
+        return []
+    points: list[dict[str, Any]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            point = json.loads(line)
+        except ValueError:
+            continue  # the engine is mid-write, or a line was damaged: skip it
+        if isinstance(point, dict) and isinstance(point.get("step"), int):
+            points.append(point)
+    return points
+
+
+def summarize(points: Iterable[dict[str, Any]],
+              fields: Iterable[str] = SUMMARY_FIELDS) -> dict[str, dict[str, float | int | None]]:
+    """Per field present in the points: `first`, `last`, `best`, `best_step`."""
+    wanted = tuple(fields)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name in wanted:
+        series = [(p["step"], float(p[name])) for p in points
+                  if _is_number(p.get(name))]
+        if not series:
+            continue
+        pick = min if name in _LOWER_IS_BETTER else max
+        best_step, best = pick(series, key=lambda sv: sv[1])
+        out[name] = {"first": series[0][1], "last": series[-1][1], "best": best,
+                     "best_step": best_step}
+    return out
+
+
+def downsample(points: list[dict[str, Any]], max_points: int) -> list[dict[str, Any]]:
+    """At most `max_points` evenly spaced points, always keeping the first and the last."""
+    n = len(points)
+    if max_points >= n:
+        return points
+    if max_points <= 1:
+        return points[-1:]
+    # index i*(n-1)/(m-1) hits 0 and n-1 exactly; strictly increasing since m <= n
+    indices = sorted({round(i * (n - 1) / (max_points - 1)) for i in range(max_points)})
+    return [points[i] for i in indices]
+
+
+def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
+                   regex: re.Pattern[str] | None = None) -> tuple[list[str], int, bool]:
+    """The last `tail` lines (after filtering by substring `grep` or `regex`).
+
+    Returns (lines, total matching lines scanned, truncated). `truncated` is True when
+    older matching lines exist than were returned, or the file was too big to scan whole.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return [], 0, False
+    with open(path, "rb") as f:
+        start = max(0, size - MAX_LOG_SCAN_BYTES)
+        f.seek(start)
+        data = f.read()
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    scanned_all = start == 0
+    if not scanned_all and lines:
+        lines = lines[1:]  # the first line was cut by the seek
+    lines = [line[:MAX_LOG_LINE_CHARS] for line in lines]
+    if grep is not None:
+        lines = [line for line in lines if grep in line]
+    if regex is not None:
+        lines = [line for line in lines if regex.search(line)]
+    total = len(lines)
+    kept = lines[-tail:] if tail > 0 else []
+    return kept, total, (len(kept) < total) or not scanned_all
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))

@@ -1,0 +1,81 @@
+"""Start a real `python -m ajet.engine` subprocess with the contract's command line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ajet.copilot.job import AgentJetJob
+from tests.support import PROJECT_ROOT
+
+
+@dataclass
+class EngineHandle:
+    proc: subprocess.Popen[bytes]
+    run_dir: Path
+    socket: Path
+    log_path: Path
+    client: httpx.Client
+
+    def log(self) -> str:
+        return self.log_path.read_text("utf-8", errors="replace")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.client.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return int(self.proc.returncode)
+
+
+def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
+                 ) -> EngineHandle:
+    """Spawn the engine like the server does (own session, log file, cwd = run dir).
+
+    `job` may be raw YAML text, to test what the engine does with a bad one.
+    """
+    run_dir = root / "runs" / run_id
+    run_dir.mkdir(parents=True)
+    text = job if isinstance(job, str) else job.to_yaml()
+    (run_dir / "job.yaml").write_text(text)
+    socket = run_dir / "engine.sock"
+    log_path = run_dir / "engine.log"
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    env.pop("ISOLATED_AGENTJET_BASE_DIR", None)
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ajet.engine", "--config", str(run_dir / "job.yaml"),
+             "--run-dir", str(run_dir), "--socket", str(socket), "--run-id", run_id,
+             "--workdir", str(root)],
+            cwd=run_dir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True)
+    client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)),
+                          base_url="http://engine", timeout=60.0)
+    return EngineHandle(proc, run_dir, socket, log_path, client)
+
+
+def wait_for_state(engine: EngineHandle, state: str, *, timeout: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout
+    last: dict = {}
+    while time.monotonic() < deadline:
+        if engine.proc.poll() is not None:
+            raise RuntimeError(f"engine exited ({engine.proc.returncode}):\n{engine.log()}")
+        try:
+            last = engine.client.get("/status").json()
+            if last["state"] == state:
+                return last
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"engine not {state} after {timeout}s (last {last}):\n{engine.log()}")

@@ -1,0 +1,152 @@
+"""A stand-in for `python -m ajet.engine` in server tests: same command line, same socket.
+
+It implements the engine process contract of docs/internals.md without torch: parses
+`--config --run-dir --socket --run-id --workdir`, serves `GET /status` (an
+`EngineReport` in ENGINE.ROLLING with `ajet.__file__`) over HTTP on the Unix socket, and
+exits 0 on SIGTERM. Point a server at it with
+`AJET_SWARM_ENGINE_MODULE=tests.swarm_server.fake_engine` (see `server_env`).
+
+What it does is read at boot from `<workdir>/fake_engine.json` (see `set_behaviour`):
+
+    mode            "serve" (default) | "crash_at_boot" | "hang" (never opens the socket)
+    exit_code       code for crash_at_boot and exit_after_s (default 3)
+    exit_after_s    serve, then exit with exit_code after this many seconds
+    ignore_term     ignore SIGTERM (the server must SIGKILL it)
+    spawn_child     start a child in the same process group (pid in <run_dir>/child.pid)
+    report_ajet_file  report this instead of the real ajet.__file__
+    metrics         list of metric points written to <run_dir>/metrics.jsonl at boot
+
+Every start appends its pid to `<workdir>/fake_engine_pids.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MODULE = "tests.swarm_server.fake_engine"
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+BEHAVIOUR_FILE = "fake_engine.json"
+PIDS_FILE = "fake_engine_pids.txt"
+
+
+def server_env(**extra: str) -> dict[str, str]:
+    """Environment for a swarm server whose engine is this fake (fast timeouts)."""
+    env = {
+        "AJET_SWARM_ENGINE_MODULE": MODULE,
+        "PYTHONPATH": str(PROJECT_ROOT),
+        "AJET_SWARM_STOP_GRACE_S": "3",
+        "AJET_SWARM_STATUS_POLL_S": "0.05",
+        "AJET_SWARM_BOOT_TIMEOUT_S": "30",
+    }
+    env.update(extra)
+    return env
+
+
+def set_behaviour(workdir: Path, **behaviour: Any) -> None:
+    """What the next fake engine started from `workdir` does (see the module docstring)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / BEHAVIOUR_FILE).write_text(json.dumps(behaviour))
+
+
+def started_pids(workdir: Path) -> list[int]:
+    path = workdir / PIDS_FILE
+    if not path.exists():
+        return []
+    return [int(x) for x in path.read_text().split()]
+
+
+def _load_behaviour(workdir: Path) -> dict[str, Any]:
+    path = workdir / BEHAVIOUR_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--config", "--run-dir", "--socket", "--run-id", "--workdir"):
+        p.add_argument(name, required=True)
+    args = p.parse_args(argv)
+    run_dir, workdir, socket_path = Path(args.run_dir), Path(args.workdir), Path(args.socket)
+    behaviour = _load_behaviour(workdir)
+    with open(workdir / PIDS_FILE, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    print(f"fake engine pid {os.getpid()} run {args.run_id} booting", flush=True)
+    print(f"config: {Path(args.config).read_text().splitlines()[0]}", flush=True)
+
+    if behaviour.get("spawn_child"):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        (run_dir / "child.pid").write_text(str(child.pid))
+    if behaviour.get("ignore_term"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    mode = behaviour.get("mode", "serve")
+    exit_code = int(behaviour.get("exit_code", 3))
+    if mode == "crash_at_boot":
+        print("Traceback (most recent call last):", flush=True)
+        print('  File "ajet/engine/__main__.py", line 1, in <module>', flush=True)
+        print("RuntimeError: fake boot failure", flush=True)
+        return exit_code
+    if mode == "hang":
+        while True:
+            time.sleep(1)
+
+    import ajet
+    from ajet.protocol import EngineReport, EngineState
+
+    points = behaviour.get("metrics") or []
+    if points:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            for point in points:
+                f.write(json.dumps(point) + "\n")
+    report = EngineReport(
+        state=EngineState.ROLLING, pid=os.getpid(),
+        ajet_file=behaviour.get("report_ajet_file") or ajet.__file__, run_id=args.run_id,
+        step=points[-1]["step"] if points else 0,
+    )
+    server = _uvicorn_server(socket_path, report)
+    if behaviour.get("exit_after_s") is not None:
+        def _exit_later() -> None:
+            print(f"fake engine exiting with code {exit_code}", flush=True)
+            os._exit(exit_code)
+        threading.Timer(float(behaviour["exit_after_s"]), _exit_later).start()
+
+    # uvicorn runs off the main thread (so it installs no signal handlers); the main
+    # thread turns SIGTERM into a clean shutdown, exit code 0, as the real engine does.
+    stop = threading.Event()
+    if not behaviour.get("ignore_term"):
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not stop.wait(0.05):
+        pass
+    server.should_exit = True
+    thread.join(timeout=5)
+    print("fake engine stopped cleanly", flush=True)
+    return 0
+
+
+def _uvicorn_server(socket_path: Path, report: Any) -> Any:
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.get("/status")
+    def status() -> Any:
+        return report
+
+    socket_path.unlink(missing_ok=True)  # a stale socket file would make bind fail
+    return uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning",
+                                         lifespan="off"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
