@@ -27,6 +27,7 @@ from ajet.errors import (
     EngineStateConflict,
     SwarmConnectionError,
     SwarmError,
+    SwarmNotFound,
     SwarmTimeout,
     error_for_status,
 )
@@ -144,6 +145,13 @@ class SwarmClient:
         """Send a job (model or YAML text). Accepted only while the engine is OFFLINE."""
         text = job.to_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
+
+    def get_train_config(self) -> ConfigAccepted | None:
+        """The job the next start runs with, or None if the server has none yet."""
+        try:
+            return self._call("GET", "/sync_train_config", model=ConfigAccepted)
+        except SwarmNotFound:
+            return None
 
     def start_engine(self, *, force_restart: bool = False, wait: bool = False,
                      wait_timeout: float = 300.0) -> EngineStatus:

@@ -19,6 +19,8 @@ class Row:
     rerun: str = "make bench"
     repetitions: int = 0
     note: str = ""
+    #: Whether the figure meets `target` (None: no target, or not decidable).
+    met: bool | None = None
 
     @property
     def ratio(self) -> float | None:
@@ -44,15 +46,16 @@ def render(rows: list[Row], *, header: str) -> str:
     lines = [
         header,
         "",
-        "| benchmark | median | reference | ratio | target | reps | rerun |",
-        "|---|---|---|---|---|---|---|",
+        "| benchmark | median | reference | ratio | target | met | reps | rerun |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ref = f"{r.reference:.4g} {r.unit} ({r.reference_name})" if r.reference is not None else "-"
         ratio = f"{r.ratio:.2f}x" if r.ratio is not None else "-"
-        note = f" {r.note}" if r.note else ""
+        note = f" ({r.note})" if r.note else ""
+        met = {True: "yes", False: "**no**", None: "-"}[r.met]
         lines.append(
             f"| {r.name}{note} | {r.median:.4g} {r.unit} | {ref} | {ratio} | {r.target or '-'} "
-            f"| {r.repetitions} | `{r.rerun}` |"
+            f"| {met} | {r.repetitions} | `{r.rerun}` |"
         )
     return "\n".join(lines) + "\n"

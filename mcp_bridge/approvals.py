@@ -150,7 +150,7 @@ class ApprovalStore:
                 diff: str, files: dict[str, list[str]], bytes_to_upload: int) -> Approval:
         """File a pending approval, or return the live one already filed for this content."""
         now = self._clock()
-        for existing in self.list():
+        for existing in self.all():
             if (existing.status is ApprovalStatus.PENDING and not existing.expired(now)
                     and existing.snapshot_id == snapshot_id
                     and _norm_url(existing.server_url) == _norm_url(server_url)):
@@ -168,12 +168,12 @@ class ApprovalStore:
     def find_valid(self, snapshot_id: str, server_url: str) -> Approval | None:
         """A live approval of exactly this snapshot on this server, if the human gave one."""
         now = self._clock()
-        matches = [a for a in self.list() if a.valid_for(snapshot_id, server_url, now)]
+        matches = [a for a in self.all() if a.valid_for(snapshot_id, server_url, now)]
         return max(matches, key=lambda a: a.decided_at or 0.0) if matches else None
 
     def latest_for(self, snapshot_id: str, server_url: str) -> Approval | None:
         """The newest request for this content and server, whatever its status."""
-        matches = [a for a in self.list() if a.snapshot_id == snapshot_id
+        matches = [a for a in self.all() if a.snapshot_id == snapshot_id
                    and _norm_url(a.server_url) == _norm_url(server_url)]
         return max(matches, key=lambda a: a.created_at) if matches else None
 
@@ -202,7 +202,7 @@ class ApprovalStore:
         except (ValueError, TypeError) as exc:
             raise ApprovalError(f"approval file {path} is corrupt ({exc}); delete it") from exc
 
-    def list(self) -> list[Approval]:
+    def all(self) -> list[Approval]:
         """Every approval on disk, newest first; unreadable files are skipped with a warning."""
         if not self.root.is_dir():
             return []
@@ -218,7 +218,7 @@ class ApprovalStore:
         """Delete approvals that expired more than `older_than_s` ago; returns how many."""
         now = self._clock()
         removed = 0
-        for approval in self.list():
+        for approval in self.all():
             if approval.expires_at + older_than_s < now:
                 self._path(approval.id).unlink(missing_ok=True)
                 removed += 1
@@ -236,9 +236,10 @@ class ApprovalStore:
                 f"approval {approval_id} expired; ask the agent to call sync_train_code again "
                 "to file a new one"
             )
-        decided = replace(approval, status=status, decided_at=now, decided_by=by or human_identity(),
-                          expires_at=now + self.ttl_s if status is ApprovalStatus.APPROVED
-                          else approval.expires_at)
+        # An approval stays valid for ttl_s from the decision, not from the request.
+        expires = now + self.ttl_s if status is ApprovalStatus.APPROVED else approval.expires_at
+        decided = replace(approval, status=status, decided_at=now,
+                          decided_by=by or human_identity(), expires_at=expires)
         self._write(decided)
         return decided
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,21 +82,10 @@ class Bridge:
         self.rollouts = RolloutManager(
             config.swarm_url, token=config.worker_token or config.token, repo=config.repo,
         )
-        self._lock = threading.Lock()
-        self._last_sent_config: dict[str, Any] | None = None
 
     @property
     def repo(self) -> Path:
         return self.config.repo
-
-    def remember_config(self, config: dict[str, Any]) -> None:
-        """Keep the config this bridge last got accepted (used when the server cannot say)."""
-        with self._lock:
-            self._last_sent_config = dict(config)
-
-    def last_sent_config(self) -> dict[str, Any] | None:
-        with self._lock:
-            return dict(self._last_sent_config) if self._last_sent_config is not None else None
 
     def close(self) -> None:
         """Stop rollout workers, then close the HTTP client."""
@@ -142,8 +130,9 @@ def swarm_errors(next_step: str) -> Iterator[None]:
                          "make the change smaller (fewer or smaller files under ajet/), then "
                          f"call {ToolName.SYNC_TRAIN_CODE} again") from exc
     except SwarmValidationError as exc:
-        raise tool_error(f"the server rejected the input ({exc.status}): {_detail(exc)}{_hint(exc)}",
-                         next_step) from exc
+        raise tool_error(
+            f"the server rejected the input ({exc.status}): {_detail(exc)}{_hint(exc)}", next_step
+        ) from exc
     except SwarmHTTPError as exc:
         raise tool_error(f"the swarm server failed ({exc.status}): {_detail(exc)}{_hint(exc)}",
                          f"call {ToolName.ENGINE_STATUS}, then {next_step}") from exc
@@ -154,7 +143,8 @@ def swarm_errors(next_step: str) -> Iterator[None]:
             f"then call {ToolName.ENGINE_STATUS}",
         ) from exc
     except SwarmTimeout as exc:
-        raise tool_error(str(exc), f"call {ToolName.ENGINE_STATUS} and {ToolName.READ_LOGS}") from exc
+        raise tool_error(str(exc),
+                         f"call {ToolName.ENGINE_STATUS} and {ToolName.READ_LOGS}") from exc
     except PackagingError as exc:
         raise tool_error(
             f"cannot package ajet/: {exc}",

@@ -87,10 +87,10 @@ def _serve_main(argv: list[str]) -> int:
     # One INFO line per HTTP request drowns what matters; errors still surface as tool errors.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     if not args.swarm_url:
-        print("ajet-mcp: --swarm-url (or AJET_SWARM_URL) is required", file=sys.stderr)
+        _complain("--swarm-url (or AJET_SWARM_URL) is required")
         return 2
     if args.approval_ttl_min <= 0:
-        print("ajet-mcp: --approval-ttl-min must be positive", file=sys.stderr)
+        _complain("--approval-ttl-min must be positive")
         return 2
     # Imported here so `ajet-mcp approvals ...` starts without the MCP SDK.
     from mcp_bridge.bridge import Bridge, BridgeConfig
@@ -160,48 +160,58 @@ def _approvals_main(argv: list[str]) -> int:
         if args.command == "approve":
             approval = store.approve(args.id)
             _show(approval, full=False)
-            print(f"\nApproved. The agent's next sync_train_code of this exact content on "
+            _say(f"\nApproved. The agent's next sync_train_code of this exact content on "
                   f"{approval.server_url} proceeds until {_local(approval.expires_at)}.")
             return 0
         approval = store.deny(args.id)
-        print(f"Denied {approval.id} (snapshot {approval.snapshot_id[:16]}). Nothing is uploaded.")
+        _say(f"Denied {approval.id} (snapshot {approval.snapshot_id[:16]}). Nothing is uploaded.")
         return 0
     except ApprovalError as exc:
-        print(f"ajet-mcp approvals: {exc}", file=sys.stderr)
+        _complain(f"approvals: {exc}")
         return 1
 
 
 def _list(store: ApprovalStore, *, show_all: bool) -> int:
     now = time.time()
-    rows = [a for a in store.list()
+    rows = [a for a in store.all()
             if show_all or (a.status.value == "pending" and not a.expired(now))]
     if not rows:
-        print(f"No {'' if show_all else 'pending '}approvals in {store.root}.")
+        _say(f"No {'' if show_all else 'pending '}approvals in {store.root}.")
         return 0
-    print(f"{'ID':<9} {'STATUS':<9} {'CREATED':<17} {'EXPIRES':<17} {'SNAPSHOT':<13} "
+    _say(f"{'ID':<9} {'STATUS':<9} {'CREATED':<17} {'EXPIRES':<17} {'SNAPSHOT':<13} "
           f"{'+A ~C -R':<10} SERVER")
     for a in rows:
         status = "expired" if a.status.value == "pending" and a.expired(now) else a.status.value
-        counts = "+{} ~{} -{}".format(*(len(a.files.get(k, [])) for k in ("added", "changed", "removed")))
-        print(f"{a.id:<9} {status:<9} {_local(a.created_at):<17} {_local(a.expires_at):<17} "
+        added, changed, removed = (len(a.files.get(k, [])) for k in ("added", "changed", "removed"))
+        counts = f"+{added} ~{changed} -{removed}"
+        _say(f"{a.id:<9} {status:<9} {_local(a.created_at):<17} {_local(a.expires_at):<17} "
               f"{a.snapshot_id[:12]:<13} {counts:<10} {a.server_url}")
-    print("\nReview with `ajet-mcp approvals show ID`, then `approve ID` or `deny ID`.")
+    _say("\nReview with `ajet-mcp approvals show ID`, then `approve ID` or `deny ID`.")
     return 0
 
 
 def _show(a: Approval, *, full: bool) -> None:
-    print(f"Approval {a.id}: {a.status.value}")
-    print(f"  server:   {a.server_url}")
-    print(f"  repo:     {a.repo}")
-    print(f"  snapshot: {a.snapshot_id}")
-    print(f"  created:  {_local(a.created_at)}   expires: {_local(a.expires_at)}")
+    _say(f"Approval {a.id}: {a.status.value}")
+    _say(f"  server:   {a.server_url}")
+    _say(f"  repo:     {a.repo}")
+    _say(f"  snapshot: {a.snapshot_id}")
+    _say(f"  created:  {_local(a.created_at)}   expires: {_local(a.expires_at)}")
     if a.decided_at:
-        print(f"  decided:  {_local(a.decided_at)} by {a.decided_by}")
-    print()
-    print(a.summary)
+        _say(f"  decided:  {_local(a.decided_at)} by {a.decided_by}")
+    _say()
+    _say(a.summary)
     if full:
-        print()
-        print(a.diff or "(no diff)")
+        _say()
+        _say(a.diff or "(no diff)")
+
+
+def _say(text: str = "") -> None:
+    """Output of the human's `approvals` commands; serving never writes to stdout."""
+    sys.stdout.write(f"{text}\n")
+
+
+def _complain(text: str) -> None:
+    sys.stderr.write(f"ajet-mcp: {text}\n")
 
 
 def _local(ts: float) -> str:

@@ -16,6 +16,7 @@ __all__ = [
     "ActivateResult",
     "ApprovalInfo",
     "ApprovalMode",
+    "ApprovalState",
     "CompareResult",
     "ConfigChange",
     "ConfigureResult",
@@ -82,17 +83,23 @@ class ToolResult(BaseModel):
 
     message: str = Field(description="What happened, and what to call next")
     notice: str | None = Field(
-        default=None, description="Set when the bridge runs with --approval auto: no human reviews syncs"
+        default=None,
+        description="Set when the bridge runs with --approval auto: no human reviews syncs",
     )
 
 
 # ---------------------------------------------------------------------------- code
 
 
+#: How a sync's approval stands: `elicited` = a human accepted in the client just now;
+#: `approved` = through `ajet-mcp approvals approve`; `declined` = refused in the client.
+ApprovalState = Literal["not_needed", "pending", "approved", "denied", "declined",
+                        "auto_approved", "elicited"]
+
+
 class ApprovalInfo(BaseModel):
     mode: ApprovalMode
-    status: Literal["not_needed", "pending", "approved", "denied", "expired", "declined",
-                    "auto_approved", "elicited"]
+    status: ApprovalState
     approval_id: str | None = None
     human_command: str | None = Field(
         default=None, description="The command a human runs to approve; you cannot run it for them"
@@ -103,19 +110,23 @@ class ApprovalInfo(BaseModel):
 
 class SyncResult(ToolResult):
     status: Literal["preview", "no_changes", "pending_approval", "synced"]
-    snapshot_id: str = Field(description="Content id of the local ajet/ tree (sha256 of its manifest)")
-    running_snapshot_id: str = Field(description="Snapshot the cluster runs now ('server' = its own code)")
+    snapshot_id: str = Field(
+        description="Content id of the local ajet/ tree (sha256 of its manifest)")
+    running_snapshot_id: str = Field(
+        description="Snapshot the cluster runs now ('server' = its own code)")
     files_total: int
     added: list[str] = Field(default_factory=list)
     changed: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)
     lists_truncated: bool = False
     untracked_left_out: list[str] = Field(
-        default_factory=list, description="Untracked files under ajet/ that do NOT ship; git add them"
+        default_factory=list,
+        description="Untracked files under ajet/ that do NOT ship; git add them",
     )
     blobs_to_upload: int = 0
     bytes_to_upload: int = 0
-    diff: str = Field(default="", description="Unified diff against the running snapshot (truncated)")
+    diff: str = Field(default="",
+                      description="Unified diff against the running snapshot (one page)")
     diff_next_offset: int | None = Field(
         default=None, description="Pass as diff_offset to read more of the diff"
     )

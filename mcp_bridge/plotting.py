@@ -34,14 +34,14 @@ def plot_metrics_png(points: Sequence[Mapping[str, Any]], metrics: Sequence[str]
     rows = len(metrics)
     fig = Figure(figsize=(_FIGSIZE_IN[0], _FIGSIZE_IN[1] * rows), dpi=_DPI)
     axes = fig.subplots(rows, 1, squeeze=False, sharex=True)
-    for ax, name in zip((row[0] for row in axes), metrics):
+    for ax, name in zip((row[0] for row in axes), metrics, strict=True):
         xs: list[float] = []
         ys: list[float] = []
         for point in points:
-            step, value = point.get("step"), point.get(name)
-            if _is_number(step) and _is_number(value):
-                xs.append(float(step))
-                ys.append(float(value))
+            step, value = _number(point.get("step")), _number(point.get(name))
+            if step is not None and value is not None:
+                xs.append(step)
+                ys.append(value)
         if xs:
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, linewidth=1.2)
         else:
@@ -58,6 +58,7 @@ def plot_metrics_png(points: Sequence[Mapping[str, Any]], metrics: Sequence[str]
     return buf.getvalue()
 
 
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(float(value)))
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None

@@ -5,6 +5,11 @@ from the user's repository with `ajet.rollout.load_workflow` and runs it with
 `ajet.rollout.RolloutRunner`: N worker threads that claim episodes on the swarm server,
 call the workflow, and report rewards. The bridge only keeps the handles; the runner
 owns the threads.
+
+Loading a workflow puts the user's repository first on `sys.path` (the workflow imports
+its own helpers). Every `ajet` module the bridge itself uses is therefore imported when
+the bridge starts, never lazily afterwards, so the bridge never picks up the agent's
+patched copy of `ajet/` from the repository.
 """
 
 from __future__ import annotations
@@ -19,14 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from ajet.client import SwarmClient
+from ajet.rollout import RolloutRunner, load_workflow
 
-__all__ = ["RolloutHandle", "RolloutManager", "RolloutsUnavailable"]
+__all__ = ["RolloutHandle", "RolloutManager"]
 
 log = logging.getLogger(__name__)
-
-
-class RolloutsUnavailable(RuntimeError):
-    """The installed `ajet` has no rollout runner (`ajet.rollout`)."""
 
 
 @dataclass
@@ -40,27 +42,15 @@ class RolloutHandle:
     tasks: int
     max_episodes: int | None
     started_at: float
-    runner: Any  # ajet.rollout.RolloutRunner
+    runner: RolloutRunner
     client: SwarmClient
     stopped_at: float | None = None
 
     def running(self) -> bool:
-        if self.stopped_at is not None:
-            return False
-        alive = getattr(self.runner, "running", None)
-        if callable(alive):
-            return bool(alive())
-        if isinstance(alive, bool):
-            return alive
-        return True
+        return self.stopped_at is None and self.runner.running()
 
     def stats(self) -> dict[str, Any]:
-        stats = self.runner.stats()
-        if dataclasses.is_dataclass(stats) and not isinstance(stats, type):
-            return dataclasses.asdict(stats)
-        if hasattr(stats, "model_dump"):
-            return dict(stats.model_dump())
-        return dict(stats)
+        return dataclasses.asdict(self.runner.stats())
 
 
 class RolloutManager:
@@ -77,15 +67,9 @@ class RolloutManager:
               max_episodes: int | None = None) -> RolloutHandle:
         """Load `workflow` from the repo and start its workers in the background.
 
-        Raises `RolloutsUnavailable` without `ajet.rollout`; `load_workflow`'s own errors
-        (bad spec, import error, no tasks) pass through for the caller to report.
+        `load_workflow`'s errors (bad spec, the module's own import errors, no tasks) pass
+        through for the caller to report.
         """
-        try:
-            from ajet.rollout import RolloutRunner, load_workflow
-        except ImportError as exc:
-            raise RolloutsUnavailable(
-                f"this ajet install has no rollout runner (ajet.rollout): {exc}"
-            ) from exc
         fn, tasks = load_workflow(workflow, self._repo)
         client = SwarmClient(self._swarm_url, token=self._token)
         try:
@@ -110,7 +94,7 @@ class RolloutManager:
         with self._lock:
             return self._handles.get(handle)
 
-    def list(self) -> list[RolloutHandle]:
+    def all(self) -> list[RolloutHandle]:
         with self._lock:
             return sorted(self._handles.values(), key=lambda h: h.started_at)
 
@@ -129,5 +113,5 @@ class RolloutManager:
         return job
 
     def stop_all(self, *, timeout: float = 30.0) -> list[RolloutHandle]:
-        return [job for h in [j.handle for j in self.list()]
+        return [job for h in [j.handle for j in self.all()]
                 if (job := self.stop(h, timeout=timeout)) is not None]

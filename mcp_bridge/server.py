@@ -12,6 +12,7 @@ loop and its rules; every `agent_prompts/*.md` is served as a prompt.
 import base64
 import inspect
 import logging
+from collections.abc import Callable
 from importlib import resources
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -19,7 +20,7 @@ from mcp.server import MCPServer
 from mcp.server.mcpserver import Context
 from mcp.server.mcpserver.prompts.base import Prompt
 from mcp.server.mcpserver.resolve import ElicitationResult, Resolve
-from mcp_types import CallToolResult, ImageContent, TextContent, ToolAnnotations
+from mcp_types import CallToolResult, ContentBlock, ImageContent, TextContent, ToolAnnotations
 from pydantic import Field
 
 from ajet.copilot.job import AgentJetJob
@@ -76,16 +77,16 @@ Outputs are small: page with offsets, plot with read_metrics(plot=true).
 Prompts with longer playbooks: {prompts}. Approval mode: {mode}.
 """
 
-_READ_ONLY = ToolAnnotations(readOnlyHint=True, destructiveHint=False, idempotentHint=True,
-                             openWorldHint=False)
-_WRITE = ToolAnnotations(readOnlyHint=False, destructiveHint=False, idempotentHint=False,
-                         openWorldHint=False)
-_WRITE_IDEMPOTENT = ToolAnnotations(readOnlyHint=False, destructiveHint=False,
-                                    idempotentHint=True, openWorldHint=False)
-_DESTRUCTIVE = ToolAnnotations(readOnlyHint=False, destructiveHint=True, idempotentHint=False,
-                               openWorldHint=False)
-_DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(readOnlyHint=False, destructiveHint=True,
-                                          idempotentHint=True, openWorldHint=False)
+_READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
+                             open_world_hint=False)
+_WRITE = ToolAnnotations(read_only_hint=False, destructive_hint=False, idempotent_hint=False,
+                         open_world_hint=False)
+_WRITE_IDEMPOTENT = ToolAnnotations(read_only_hint=False, destructive_hint=False,
+                                    idempotent_hint=True, open_world_hint=False)
+_DESTRUCTIVE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idempotent_hint=False,
+                               open_world_hint=False)
+_DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(read_only_hint=False, destructive_hint=True,
+                                          idempotent_hint=True, open_world_hint=False)
 
 
 def prompt_files() -> dict[str, str]:
@@ -144,8 +145,9 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
 
     # ------------------------------------------------------------------ code sync
 
-    def make_plan(dry_run: bool, force_restart: bool) -> SyncPlan:
-        return sync.plan_sync(bridge, dry_run=dry_run, force_restart=force_restart)
+    def make_plan() -> SyncPlan:
+        # A resolver, so the question to the human and the tool body share one plan.
+        return sync.plan_sync(bridge)
 
     def ask_human(ctx: Context, plan: Annotated[SyncPlan, Resolve(make_plan)],
                   dry_run: bool, force_restart: bool) -> Any:
@@ -153,7 +155,11 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         # NotAsked: the SDK sends the question (as a request, or inside an
         # InputRequiredResult on newer protocols) and pins the answer to its exact text.
         caps = ctx.client_capabilities
-        can_elicit = caps is not None and caps.elicitation is not None
+        elicitation = caps.elicitation if caps is not None else None
+        # Form elicitation: a bare `elicitation: {}` counts as form support (the SDK's rule);
+        # a client that declared URL mode only cannot show the diff.
+        can_elicit = elicitation is not None and (elicitation.form is not None
+                                                  or elicitation.url is None)
         return sync.approval_question(bridge, plan, can_elicit=can_elicit, dry_run=dry_run,
                                       force_restart=force_restart) or NotAsked()
 
@@ -163,7 +169,8 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         answer: Annotated[ElicitationResult[ApproveSync], Resolve(ask_human)],
         dry_run: Annotated[bool, Field(
             description="Preview only: list the files that would change and their diff "
-                        "against the code the cluster runs. Uploads nothing, asks no one.")] = False,
+                        "against the code the cluster runs. Uploads nothing, asks no one.")
+        ] = False,
         force_restart: Annotated[bool, Field(
             description="If the engine runs: stop it, activate the new code and restart it with "
                         "its last config. Without it the engine must be OFFLINE.")] = False,
@@ -177,7 +184,8 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         listed in untracked_left_out. Every upload needs a human's approval: the human is
         asked directly when the client supports it; otherwise the result has
         status='pending_approval' and a command for the human; call this tool again after
-        they approve. Returns the snapshot_id; the engine runs it from its next start.
+        they approve. Returns the snapshot_id; the engine runs it from its next start (at
+        once with force_restart=true).
         """
         return done(sync.run_sync(bridge, plan, answer, dry_run=dry_run,
                                   force_restart=force_restart, diff_offset=diff_offset))
@@ -192,7 +200,8 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
     @mcp.tool(name=ToolName.START_ENGINE.value, annotations=_DESTRUCTIVE)
     def start_engine(
         force_restart: Annotated[bool, Field(
-            description="Stop a running engine first (its run ends), then start a new run.")] = False,
+            description="Stop a running engine first (its run ends), then start a new run.")
+        ] = False,
         wait_s: Annotated[float | None, Field(
             ge=0, le=600, description="Seconds to wait for ENGINE.ROLLING before returning "
                                       "(default: the bridge's setting, 120).")] = None,
@@ -240,7 +249,7 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         result, png = tools.read_metrics(bridge, run_id=run_id, metrics=metrics,
                                          last_n=last_n, plot=plot)
         result = done(result)
-        content: list[TextContent | ImageContent] = [
+        content: list[ContentBlock] = [
             TextContent(type="text", text=result.model_dump_json(indent=1))]
         if png is not None:
             content.append(ImageContent(type="image", mime_type="image/png",
@@ -339,7 +348,8 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         return done(tools.stop_rollouts(bridge, handle=handle))
 
 
-def _configure_tool(bridge: Bridge, done: Any) -> Any:
+def _configure_tool(bridge: Bridge, done: Callable[[ConfigureResult], ConfigureResult]
+                    ) -> Callable[..., ConfigureResult]:
     """The `configure` tool, with one optional parameter per `AgentJetJob` field.
 
     Built from the job model so the parameters always match the installed schema; the
@@ -352,21 +362,14 @@ def _configure_tool(bridge: Bridge, done: Any) -> Any:
         extra = kwargs.pop("extra", None) or {}
         reset = bool(kwargs.pop("reset", False))
         changes = {k: v for k, v in kwargs.items() if v is not None and k in job_fields}
-        unknown = [k for k in extra if not isinstance(k, str) or not k]
-        if unknown:
-            from mcp_bridge.bridge import tool_error
-
-            raise tool_error("extra must map field names to values",
-                             f"call {ToolName.CONFIGURE} with extra={{'field': value}}")
-        changes.update(extra)
+        changes.update(extra)  # the server names any field its schema does not know
         return done(tools.configure(bridge, changes, reset=reset))
 
     params: list[inspect.Parameter] = []
     annotations: dict[str, Any] = {}
     for name, info in job_fields.items():
-        ann = Annotated[info.annotation | None,  # type: ignore[operator]
-                        Field(description=(info.description or name.replace("_", " "))
-                              + "; omit to keep the current value.")]
+        ann = _optional_param(info.annotation, (info.description or name.replace("_", " "))
+                              + "; omit to keep the current value.")
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
                                         annotation=ann))
         annotations[name] = ann
@@ -379,7 +382,8 @@ def _configure_tool(bridge: Bridge, done: Any) -> Any:
     params.append(inspect.Parameter("reset", inspect.Parameter.KEYWORD_ONLY, default=False,
                                     annotation=reset_ann))
     annotations.update(extra=extra_ann, reset=reset_ann, **{"return": ConfigureResult})
-    configure.__signature__ = inspect.Signature(params, return_annotation=ConfigureResult)  # type: ignore[attr-defined]
+    signature = inspect.Signature(params, return_annotation=ConfigureResult)
+    configure.__signature__ = signature  # type: ignore[attr-defined]
     configure.__annotations__ = annotations
     configure.__doc__ = (
         "Set the training job's config (only while the engine is OFFLINE). Pass only the "
@@ -387,3 +391,8 @@ def _configure_tool(bridge: Bridge, done: Any) -> Any:
         "job and names any bad field. Returns what changed. Then call start_engine."
     )
     return configure
+
+
+def _optional_param(tp: Any, description: str) -> Any:
+    # Built at run time from the job model's field types.
+    return Annotated[tp | None, Field(description=description)]

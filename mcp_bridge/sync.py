@@ -24,17 +24,24 @@ import shlex
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 from mcp.server.mcpserver.resolve import AcceptedElicitation, Elicit, ElicitationResult
 from pydantic import BaseModel, Field
 
+from ajet.code_sync import push_package
 from ajet.packaging import Package, package_tree
-from ajet.protocol import SERVER_CODE, EngineState, FileEntry
-from mcp_bridge.approvals import Approval, ApprovalStatus, ApprovalStore, default_approvals_dir
+from ajet.protocol import SERVER_CODE, CodeSyncResult, EngineState, FileEntry
+from mcp_bridge.approvals import (
+    Approval,
+    ApprovalStatus,
+    ApprovalStore,
+    default_approvals_dir,
+    human_identity,
+)
 from mcp_bridge.bridge import Bridge, swarm_errors, tool_error
 from mcp_bridge.diffing import FileChange, compare_manifests, render_diff, summarize_changes
-from mcp_bridge.models import ApprovalInfo, ApprovalMode, SyncResult, ToolName
+from mcp_bridge.models import ApprovalInfo, ApprovalMode, ApprovalState, SyncResult, ToolName
 
 __all__ = [
     "ApproveSync",
@@ -117,10 +124,12 @@ class SyncPlan:
         for kind in ("added", "changed", "removed"):
             if lists[kind]:
                 shown = lists[kind][:_LIST_CAP]
-                more = f" (+{len(lists[kind]) - _LIST_CAP} more)" if len(lists[kind]) > _LIST_CAP else ""
+                extra = len(lists[kind]) - len(shown)
+                more = f" (+{extra} more)" if extra else ""
                 lines.append(f"{kind.capitalize()}: {', '.join(shown)}{more}")
         if self.package.untracked_left_out:
-            lines.append("Untracked, NOT shipped: " + ", ".join(self.package.untracked_left_out[:_LIST_CAP]))
+            left_out = self.package.untracked_left_out[:_LIST_CAP]
+            lines.append("Untracked, NOT shipped: " + ", ".join(left_out))
         return "\n".join(lines)
 
 
@@ -133,17 +142,16 @@ class Verdict(str, enum.Enum):
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
-    approved_by: str | None = None
-    approval: Approval | None = None
-    status: str = "not_needed"
+    status: ApprovalState
+    approved_by: str = ""  # set when the verdict is PROCEED; sent to the server
+    approval: Approval | None = None  # the stored approval this decision rests on, if any
 
 
 # ---------------------------------------------------------------------------- plan
 
 
-def plan_sync(bridge: Bridge, *, dry_run: bool = False, force_restart: bool = False) -> SyncPlan:
+def plan_sync(bridge: Bridge) -> SyncPlan:
     """Package the repo's `ajet/` and work out what a sync would change on the cluster."""
-    del dry_run, force_restart  # the plan is the same; they are resolver inputs only
     client = bridge.client
     with swarm_errors(f"fix the tree, then call {ToolName.SYNC_TRAIN_CODE} again"):
         package = package_tree(bridge.repo)
@@ -229,28 +237,26 @@ def decide(*, mode: ApprovalMode, store: ApprovalStore, plan: SyncPlan,
     if elicited is not None:
         if (isinstance(elicited, AcceptedElicitation) and isinstance(elicited.data, ApproveSync)
                 and elicited.data.approve):
-            from mcp_bridge.approvals import human_identity
-
-            return Decision(Verdict.PROCEED, approved_by=f"{human_identity()} via MCP elicitation",
-                            status="elicited")
-        return Decision(Verdict.DENIED, status="declined")
+            return Decision(Verdict.PROCEED, "elicited",
+                            approved_by=f"{human_identity()} via MCP elicitation")
+        return Decision(Verdict.DENIED, "declined")
     live = store.find_valid(plan.snapshot_id, plan.server_url)
     if live is not None:
-        return Decision(Verdict.PROCEED, approved_by=f"{live.decided_by} (approval {live.id})",
-                        approval=live, status="approved")
+        return Decision(Verdict.PROCEED, "approved",
+                        approved_by=f"{live.decided_by} (approval {live.id})", approval=live)
     if mode is ApprovalMode.AUTO:
-        return Decision(Verdict.PROCEED, approved_by="auto (ajet-mcp --approval auto)",
-                        status="auto_approved")
+        return Decision(Verdict.PROCEED, "auto_approved",
+                        approved_by="auto (ajet-mcp --approval auto)")
     latest = store.latest_for(plan.snapshot_id, plan.server_url)
     if latest is not None and latest.status is ApprovalStatus.DENIED \
             and not latest.expired(time.time()):
-        return Decision(Verdict.DENIED, approval=latest, status="denied")
+        return Decision(Verdict.DENIED, "denied", approval=latest)
     lists = plan.change_lists()
     filed = store.request(
         snapshot_id=plan.snapshot_id, server_url=plan.server_url, repo=repo,
         summary=plan.summary(), diff=plan.diff, files=lists, bytes_to_upload=plan.bytes_to_upload,
     )
-    return Decision(Verdict.PENDING, approval=filed, status="pending")
+    return Decision(Verdict.PENDING, "pending", approval=filed)
 
 
 # ---------------------------------------------------------------------------- run
@@ -266,60 +272,63 @@ def run_sync(bridge: Bridge, plan: SyncPlan, answer: ElicitationResult[Any] | No
     mode = bridge.config.approval
     base = _result_fields(plan, diff_offset)
     if dry_run:
-        status = "no_changes" if plan.unchanged else "preview"
-        next_call = (f"nothing to sync. Next: {ToolName.START_ENGINE} or edit ajet/" if plan.unchanged
-                     else f"call {ToolName.SYNC_TRAIN_CODE} without dry_run"
-                          + ("" if plan.engine_state == EngineState.OFFLINE else " and with force_restart=true")
-                          + " to upload (a human approves)")
+        status: Literal["no_changes", "preview"] = "no_changes" if plan.unchanged else "preview"
+        if plan.unchanged:
+            next_call = f"nothing to sync. Next: {ToolName.START_ENGINE} or edit ajet/"
+        else:
+            restart = ("" if plan.engine_state == EngineState.OFFLINE
+                       else " and with force_restart=true")
+            next_call = (f"Next: call {ToolName.SYNC_TRAIN_CODE} without dry_run{restart} to "
+                         "upload (a human approves)")
         return SyncResult(message=f"Preview of snapshot {plan.snapshot_id[:16]}; {next_call}.",
                           status=status, **base)
     if plan.unchanged:
         return SyncResult(
-            message=(f"The cluster already runs snapshot {plan.snapshot_id[:16]}; nothing uploaded. "
-                     f"Next: {ToolName.START_ENGINE} (force_restart=true for a fresh run), or edit ajet/."),
+            message=(f"The cluster already runs snapshot {plan.snapshot_id[:16]}; nothing "
+                     f"uploaded. Next: {ToolName.START_ENGINE} (force_restart=true for a fresh "
+                     "run), or edit ajet/."),
             status="no_changes", **base)
     if plan.engine_state != EngineState.OFFLINE and not force_restart:
         raise tool_error(
             f"the engine is {plan.engine_state}; code can change only while it is OFFLINE. "
             "Nothing was uploaded",
-            f"call {ToolName.SYNC_TRAIN_CODE} with force_restart=true, or {ToolName.STOP_ENGINE} first",
+            f"call {ToolName.SYNC_TRAIN_CODE} with force_restart=true, or "
+            f"{ToolName.STOP_ENGINE} first",
         )
     decision = decide(mode=mode, store=bridge.approvals, plan=plan, elicited=elicited,
                       repo=str(bridge.repo))
+    approval = decision.approval
     if decision.verdict is Verdict.DENIED:
-        if decision.status == "declined":
+        if approval is None:  # declined in the client during this call
             raise tool_error(
-                f"the human declined the sync of snapshot {plan.snapshot_id[:16]}; nothing was uploaded",
+                f"the human declined the sync of snapshot {plan.snapshot_id[:16]}; nothing was "
+                "uploaded",
                 "ask the human what to change; edit ajet/ and call sync_train_code again "
                 "(dry_run=true to preview)",
             )
-        assert decision.approval is not None
         raise tool_error(
-            f"the human denied approval {decision.approval.id} for exactly this content "
+            f"the human denied approval {approval.id} for exactly this content "
             f"(snapshot {plan.snapshot_id[:16]}); nothing was uploaded",
             "ask the human why; change the code under ajet/, then call sync_train_code again",
         )
-    if decision.verdict is Verdict.PENDING:
-        approval = decision.approval
-        assert approval is not None
+    if decision.verdict is Verdict.PENDING and approval is not None:
         command = approve_command(bridge.approvals, approval.id)
         return SyncResult(
             message=(f"Nothing was uploaded: snapshot {plan.snapshot_id[:16]} needs a human's "
                      f"approval. Ask the human to review and run: {command} . You cannot approve "
-                     f"it yourself. Next: after they approve, call {ToolName.SYNC_TRAIN_CODE} again "
-                     f"with the same tree (any edit needs a new approval)."),
+                     f"it yourself. Next: after they approve, call {ToolName.SYNC_TRAIN_CODE} "
+                     "again with the same tree (any edit needs a new approval)."),
             status="pending_approval",
             approval=ApprovalInfo(mode=mode, status="pending", approval_id=approval.id,
                                   human_command=command, expires_at=_iso(approval.expires_at)),
             **base,
         )
     # Verdict.PROCEED
-    assert decision.approved_by is not None
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}, then {ToolName.SYNC_TRAIN_CODE} again"):
         outcome = push_plan(bridge, plan, approved_by=decision.approved_by,
                             force_restart=force_restart)
-    if decision.approval is not None:
-        bridge.approvals.mark_used(decision.approval.id)
+    if approval is not None:
+        bridge.approvals.mark_used(approval.id)
     base["engine_state"] = outcome.state.value
     if outcome.restarted:
         next_call = f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING, then {ToolName.START_ROLLOUTS}"
@@ -333,8 +342,8 @@ def run_sync(bridge: Bridge, plan: SyncPlan, answer: ElicitationResult[Any] | No
                  f"bytes uploaded, active={outcome.activated}, restarted={outcome.restarted}. "
                  f"Next: {next_call}."),
         status="synced",
-        approval=ApprovalInfo(mode=mode, status=decision.status,  # type: ignore[arg-type]
-                              approval_id=decision.approval.id if decision.approval else None,
+        approval=ApprovalInfo(mode=mode, status=decision.status,
+                              approval_id=approval.id if approval else None,
                               approved_by=decision.approved_by),
         server_path=outcome.path, bytes_uploaded=outcome.bytes_uploaded,
         restarted=outcome.restarted, run_id=outcome.run_id,
@@ -342,10 +351,9 @@ def run_sync(bridge: Bridge, plan: SyncPlan, answer: ElicitationResult[Any] | No
     )
 
 
-def push_plan(bridge: Bridge, plan: SyncPlan, *, approved_by: str, force_restart: bool) -> Any:
+def push_plan(bridge: Bridge, plan: SyncPlan, *, approved_by: str,
+              force_restart: bool) -> CodeSyncResult:
     """Upload the blobs the server lacked at plan time and commit the planned manifest."""
-    from ajet.code_sync import push_package
-
     return push_package(bridge.client, plan.package, force_restart=force_restart,
                         approved_by=approved_by)
 

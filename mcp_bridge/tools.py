@@ -14,14 +14,16 @@ import re
 import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from ajet.client import SERVING_STATES
 from ajet.copilot.job import default_job_values
-from ajet.errors import SwarmError, SwarmNotFound
+from ajet.errors import SwarmError
 from ajet.protocol import EngineState, EngineStatus, LastError, RunPublic
+from ajet.run_compare import RunComparison as Comparison
+from ajet.run_compare import compare_runs as compare
 from mcp_bridge.bridge import Bridge, swarm_errors, tool_error
 from mcp_bridge.models import (
     ActivateResult,
@@ -46,7 +48,8 @@ from mcp_bridge.models import (
     StopResult,
     ToolName,
 )
-from mcp_bridge.rollouts import RolloutHandle, RolloutsUnavailable
+from mcp_bridge.plotting import plot_metrics_png
+from mcp_bridge.rollouts import RolloutHandle
 
 __all__ = [
     "DEFAULT_METRICS",
@@ -86,7 +89,8 @@ def _error_info(err: LastError | None, *, tail: int = _TAIL_LINES) -> ErrorInfo 
     if err is None:
         return None
     return ErrorInfo(reason=err.reason[:1000], exit_code=err.exit_code, run_id=err.run_id,
-                     at=_iso(err.at), log_tail=[ln[:_LOG_LINE_CHARS] for ln in err.log_tail[-tail:]])
+                     at=_iso(err.at),
+                     log_tail=[ln[:_LOG_LINE_CHARS] for ln in err.log_tail[-tail:]])
 
 
 # ---------------------------------------------------------------------------- status
@@ -96,10 +100,10 @@ def engine_status(bridge: Bridge) -> EngineStatusResult:
     """The engine's state, run, code, last error; this bridge's rollouts and approvals."""
     with swarm_errors(f"call {ToolName.ENGINE_STATUS} again"):
         status = bridge.client.get_engine_status()
-    pending = [a.id for a in bridge.approvals.list()
+    pending = [a.id for a in bridge.approvals.all()
                if a.status.value == "pending" and not a.expired(time.time())
                and a.server_url.rstrip("/") == bridge.config.swarm_url.rstrip("/")]
-    rollouts = [_rollout_info(h) for h in bridge.rollouts.list() if h.running()]
+    rollouts = [_rollout_info(h) for h in bridge.rollouts.all() if h.running()]
     return EngineStatusResult(
         message=_status_message(status),
         engine_state=status.state.value, run_id=status.run_id, step=status.step,
@@ -116,12 +120,15 @@ def _status_message(status: EngineStatus) -> str:
     if state == EngineState.OFFLINE:
         if status.last_error is not None:
             return (f"Engine is {state}; the last run failed: {status.last_error.reason[:200]}. "
-                    f"Read last_error, call {ToolName.READ_LOGS}, fix, then {ToolName.START_ENGINE}.")
+                    f"Read last_error, call {ToolName.READ_LOGS}, fix, then "
+                    f"{ToolName.START_ENGINE}.")
         if not status.has_config:
-            return f"Engine is {state} with no config; call {ToolName.CONFIGURE}, then {ToolName.START_ENGINE}."
+            return (f"Engine is {state} with no config; call {ToolName.CONFIGURE}, then "
+                    f"{ToolName.START_ENGINE}.")
         return f"Engine is {state}; call {ToolName.START_ENGINE} to train."
     if state == EngineState.BOOTING:
-        return f"Engine is {state} (run {status.run_id}); call {ToolName.ENGINE_STATUS} again shortly."
+        return (f"Engine is {state} (run {status.run_id}); call {ToolName.ENGINE_STATUS} "
+                "again shortly.")
     return (f"Engine is {state}, run {status.run_id}, step {status.step}; call "
             f"{ToolName.READ_METRICS} to follow training.")
 
@@ -130,36 +137,12 @@ def _status_message(status: EngineStatus) -> str:
 
 
 def current_config(bridge: Bridge) -> tuple[dict[str, Any] | None, str]:
-    """The server's current config and where it was read from.
-
-    The server's own stored config when it exposes one (`SwarmClient.get_train_config`),
-    else the config this bridge last sent, else the latest run's config; None if none.
-    """
-    getter = getattr(bridge.client, "get_train_config", None)
-    if callable(getter):
-        try:
-            data = getter()
-        except SwarmNotFound:
-            data = None
-        if data is not None:
-            config = data.config if hasattr(data, "config") else data
-            if isinstance(config, dict):
-                return dict(config), "the server's current config"
-    sent = bridge.last_sent_config()
-    if sent is not None:
-        return sent, ("the config this bridge last sent (the server has no route to read its "
-                      "current config; another client may have changed it since)")
-    try:
-        page = bridge.client.list_runs(limit=1)
-        if page.runs:
-            run = bridge.client.get_run(page.runs[0].run_id)
-            if run.config_yaml:
-                loaded = yaml.safe_load(run.config_yaml)
-                if isinstance(loaded, dict):
-                    return loaded, f"the config of the latest run {run.run_id}"
-    except SwarmError as exc:
-        log.info("no run config to compare with: %s", exc)
-    return None, "the defaults (no earlier config known)"
+    """The config the server stores (what the next start uses), and where it came from."""
+    with swarm_errors(f"call {ToolName.ENGINE_STATUS} to check the server"):
+        stored = bridge.client.get_train_config()
+    if stored is None:
+        return None, "the defaults (the server has no config yet)"
+    return stored.config, "the server's stored config"
 
 
 def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -> ConfigureResult:
@@ -181,7 +164,6 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
     text = yaml.safe_dump(merged, sort_keys=False)
     with swarm_errors(f"fix the named field(s) and call {ToolName.CONFIGURE} again"):
         accepted = bridge.client.sync_train_config(text)
-    bridge.remember_config(accepted.config)
     before = base if base is not None else default_job_values()
     changed = [ConfigChange(field=k, before=before.get(k), after=accepted.config.get(k))
                for k in sorted(set(before) | set(accepted.config))
@@ -206,7 +188,8 @@ def start_engine(bridge: Bridge, *, force_restart: bool = False,
         before = bridge.client.get_engine_status()
     if not before.has_config:
         raise tool_error("the server has no training config yet",
-                         f"call {ToolName.CONFIGURE} (defaults are fine), then {ToolName.START_ENGINE}")
+                         f"call {ToolName.CONFIGURE} (defaults are fine), then "
+                         f"{ToolName.START_ENGINE}")
     if before.state != EngineState.OFFLINE and not force_restart:
         raise tool_error(
             f"the engine is already {before.state} (run {before.run_id})",
@@ -236,7 +219,8 @@ def start_engine(bridge: Bridge, *, force_restart: bool = False,
                    f"Next: {ToolName.START_ROLLOUTS}, then {ToolName.READ_METRICS}.")
     else:
         message = (f"Run {run_id} is still {status.state} after {waited}s. Next: call "
-                   f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING ({ToolName.READ_LOGS} shows boot progress).")
+                   f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING ({ToolName.READ_LOGS} shows "
+                   "boot progress).")
     return StartResult(message=message, run_id=status.run_id or run_id,
                        engine_state=status.state.value, snapshot_id=status.snapshot_id,
                        ajet_file=status.ajet_file, waited_s=waited)
@@ -256,16 +240,18 @@ def _raise_engine_died(err: LastError) -> None:
 def stop_engine(bridge: Bridge, *, reason: str = "stopped by the research agent",
                 stop_rollouts: bool = True) -> StopResult:
     """Stop this bridge's rollouts (by default), then the engine; idempotent."""
-    stopped = [h.handle for h in bridge.rollouts.list() if h.running()] if stop_rollouts else []
+    stopped = [h.handle for h in bridge.rollouts.all() if h.running()] if stop_rollouts else []
     for handle in stopped:
         bridge.rollouts.stop(handle)
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
         result = bridge.client.stop_engine(reason=reason[:500])
     if result.stopped:
         message = (f"Run {result.run_id} stopped; engine is {result.state}. Next: "
-                   f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then {ToolName.START_ENGINE}.")
+                   f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
+                   f"{ToolName.START_ENGINE}.")
     else:
-        message = f"No engine was running (state {result.state}). Next: {ToolName.START_ENGINE} when ready."
+        message = (f"No engine was running (state {result.state}). Next: "
+                   f"{ToolName.START_ENGINE} when ready.")
     return StopResult(message=message, stopped=result.stopped, run_id=result.run_id,
                       engine_state=result.state.value, rollouts_stopped=stopped)
 
@@ -298,8 +284,6 @@ def read_metrics(bridge: Bridge, *, run_id: str = "current", metrics: Sequence[s
     recent = [{k: _round(p.get(k)) for k in ["step", *names] if k in p} for p in points[-5:]]
     png: bytes | None = None
     if plot:
-        from mcp_bridge.plotting import plot_metrics_png
-
         with swarm_errors(f"call {ToolName.READ_METRICS} without plot"):
             full = bridge.client.get_metrics(rid, fields=names, max_points=300)
         png = plot_metrics_png(full.points, names, title=f"run {rid}")
@@ -336,7 +320,7 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
         return MetricTrend(metric=name)
     ys = [y for _, y in pairs]
     lo, hi = min(ys), max(ys)
-    direction = "flat"
+    direction: Literal["up", "down", "flat"] = "flat"
     if len(pairs) >= 2 and hi > lo:
         # Least-squares slope over the window: less fooled by one noisy end point than
         # last - first. "flat" when the fitted rise is under 10% of the observed range.
@@ -360,7 +344,8 @@ def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
             re.compile(grep)
         except re.error as exc:
             raise tool_error(f"grep {grep!r} is not a valid regular expression ({exc})",
-                             f"call {ToolName.READ_LOGS} with a plain word or a valid pattern") from exc
+                             f"call {ToolName.READ_LOGS} with a plain word or a valid "
+                             "pattern") from exc
     tail = max(1, min(tail, 500))
     with swarm_errors(f"call {ToolName.LIST_RUNS} for run ids"):
         logs = bridge.client.get_run_logs(run_id, tail=tail, grep=grep or None, regex=True)
@@ -377,8 +362,9 @@ def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
     truncated = logs.truncated or len(kept) < len(lines)
     message = f"{len(kept)} line(s) of run {logs.run_id}'s log ({logs.total_lines} in all)."
     if len(kept) < len(lines):
-        message += f" Older lines cut to fit; use grep or a smaller tail to see others."
-    message += f" Next: {ToolName.READ_LOGS} with grep='Traceback' to find errors, or {ToolName.ENGINE_STATUS}."
+        message += " Older lines cut to fit; use grep or a smaller tail to see others."
+    message += (f" Next: {ToolName.READ_LOGS} with grep='Traceback' to find errors, or "
+                f"{ToolName.ENGINE_STATUS}.")
     return LogsResult(message=message, run_id=logs.run_id, lines=kept,
                       total_lines=logs.total_lines, truncated=truncated)
 
@@ -420,9 +406,6 @@ def compare_runs(bridge: Bridge, run_ids: Sequence[str], *,
     The comparison itself is `ajet.run_compare` (shared with `SwarmClient.compare_runs`);
     this shapes it for a context window.
     """
-    from ajet.run_compare import RunComparison as Comparison
-    from ajet.run_compare import compare_runs as compare
-
     ids = list(dict.fromkeys(run_ids))
     if not 2 <= len(ids) <= 6:
         raise tool_error(f"compare_runs needs 2 to 6 distinct run ids, got {len(ids)}",
@@ -477,7 +460,8 @@ def activate_snapshot(bridge: Bridge, snapshot_id: str, *,
         result = bridge.client.activate_snapshot(snapshot_id, force_restart=force_restart)
     if result.restarted:
         message = (f"Snapshot {result.snapshot_id[:16]} is active and run {result.run_id} "
-                   f"restarted on it. Next: {ToolName.ENGINE_STATUS}, then {ToolName.START_ROLLOUTS}.")
+                   f"restarted on it. Next: {ToolName.ENGINE_STATUS}, then "
+                   f"{ToolName.START_ROLLOUTS}.")
     else:
         message = (f"Snapshot {result.snapshot_id[:16]} is active. Next: {ToolName.START_ENGINE}.")
     return ActivateResult(message=message, snapshot_id=result.snapshot_id, path=result.path,
@@ -516,8 +500,6 @@ def start_rollouts(bridge: Bridge, workflow: str, *, n_workers: int = 4,
     try:
         job = bridge.rollouts.start(workflow, n_workers=n_workers, num_repeat=num_repeat,
                                     max_episodes=max_episodes)
-    except RolloutsUnavailable as exc:
-        raise tool_error(str(exc), "install an ajet with ajet/rollout.py on this laptop") from exc
     except Exception as exc:  # importing user code can raise anything; report it
         raise tool_error(
             f"cannot load workflow {workflow!r} from {bridge.repo}: {type(exc).__name__}: "
@@ -530,8 +512,10 @@ def start_rollouts(bridge: Bridge, workflow: str, *, n_workers: int = 4,
     message = (f"Rollouts {job.handle} started: {n_workers} worker(s), {job.tasks} task(s) x "
                f"{num_repeat}.")
     if state not in SERVING_STATES:
-        message += f" The engine is {state}: workers wait until it serves; call {ToolName.START_ENGINE}."
-    message += f" Next: {ToolName.READ_METRICS} or {ToolName.ROLLOUT_STATUS} with handle={job.handle}."
+        message += (f" The engine is {state}: workers wait until it serves; call "
+                    f"{ToolName.START_ENGINE}.")
+    message += (f" Next: {ToolName.READ_METRICS} or {ToolName.ROLLOUT_STATUS} with "
+                f"handle={job.handle}.")
     return RolloutStartResult(message=message, handle=job.handle, workflow=workflow,
                               n_workers=n_workers, num_repeat=num_repeat, tasks=job.tasks)
 
@@ -545,7 +529,7 @@ def rollout_status(bridge: Bridge, *, handle: str | None = None) -> RolloutStatu
                              f"call {ToolName.ROLLOUT_STATUS} without a handle to list them")
         jobs = [job]
     else:
-        jobs = sorted(bridge.rollouts.list(), key=lambda j: (not j.running(), -j.started_at))[:10]
+        jobs = sorted(bridge.rollouts.all(), key=lambda j: (not j.running(), -j.started_at))[:10]
     infos = [_rollout_info(j) for j in jobs]
     running = sum(1 for i in infos if i.running)
     message = f"{running} running, {len(infos) - running} stopped rollout job(s) shown."
@@ -562,7 +546,7 @@ def stop_rollouts(bridge: Bridge, *, handle: str | None = None) -> RolloutStopRe
                              f"call {ToolName.ROLLOUT_STATUS} to list handles")
         targets = [handle]
     else:
-        targets = [j.handle for j in bridge.rollouts.list() if j.running()]
+        targets = [j.handle for j in bridge.rollouts.all() if j.running()]
     stopped = [_rollout_info(job) for h in targets if (job := bridge.rollouts.stop(h)) is not None]
     message = (f"Stopped {len(stopped)} rollout job(s). Next: {ToolName.STOP_ENGINE} or "
                f"{ToolName.SYNC_TRAIN_CODE}.")

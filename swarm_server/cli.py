@@ -73,7 +73,8 @@ def _start(args: argparse.Namespace) -> int:
     pid_file.write_text(str(os.getpid()))
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=30, h11_max_incomplete_event_size=64 * 1024)
+                    timeout_graceful_shutdown=30,
+                    h11_max_incomplete_event_size=settings.max_header_bytes)
     finally:
         if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
             pid_file.unlink()

@@ -90,14 +90,41 @@ _MAX_SOCKET_PATH = 100
 _FINISH_WAIT_S = 30.0
 
 
-def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path
-                   ) -> list[str]:
-    """The engine's command line (docs/internals.md, "The engine process")."""
-    return [
-        settings.engine_python, "-m", settings.engine_module,
+def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path,
+                   job: dict[str, object] | None = None) -> list[str]:
+    """The engine's command line (docs/internals.md, "The engine process").
+
+    A job with more than one process (`n_gpu` > 1, or `n_proc` > 1 on CPU, or `nnodes`
+    > 1) runs under torchrun (docs/distributed.md); the engine's own arguments are the same.
+    """
+    engine_args = [
         "--config", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
         "--socket", str(socket_path), "--run-id", run_id, "--workdir", str(settings.workdir),
     ]
+    fields: dict[str, object] = job or {}
+
+    def number(key: str, default: int) -> int:  # the job was validated: ints or absent
+        value = fields.get(key)
+        return value if isinstance(value, int) else default
+
+    n_gpu, n_proc, nnodes = number("n_gpu", 0), number("n_proc", 1), number("nnodes", 1)
+    per_node = n_gpu if n_gpu > 0 else n_proc
+    if per_node <= 1 and nnodes <= 1:
+        return [settings.engine_python, "-m", settings.engine_module, *engine_args]
+    launcher = [settings.engine_python, "-m", "torch.distributed.run",
+                f"--nproc_per_node={per_node}", "--max_restarts=0"]
+    if nnodes <= 1:
+        launcher.append("--standalone")
+    else:  # static rendezvous: node 0 (rank 0, the episode plane) hosts it
+        host, _, port = str(fields.get("rdzv_endpoint") or "").rpartition(":")
+        launcher += [f"--nnodes={nnodes}", f"--node_rank={number('node_rank', 0)}",
+                     f"--master_addr={host}", f"--master_port={port}"]
+    return [*launcher, "-m", settings.engine_module, *engine_args]
+
+
+def _job_dict(yaml_text: str) -> dict[str, object]:
+    data = yaml.safe_load(yaml_text)
+    return data if isinstance(data, dict) else {}
 
 
 @dataclass
@@ -243,6 +270,16 @@ class EngineController:
                  checked.config_hash[:12])
         return ConfigAccepted(config_hash=checked.config_hash,
                               experiment_name=checked.experiment_name, config=checked.config)
+
+    def current_config(self) -> ConfigAccepted | None:
+        """The stored job (what the next start uses), or None if none was ever sent."""
+        text = self.ledger.get_meta(LAST_CONFIG_KEY)
+        if text is None:
+            return None
+        data = _job_dict(text)
+        return ConfigAccepted(config_hash=config_hash(text),
+                              experiment_name=str(data.get("experiment_name") or ""),
+                              config=data)
 
     # ------------------------------------------------------------------ start / stop
 
@@ -396,7 +433,7 @@ class EngineController:
                     f.write(line + "\n")
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
-                                    socket_path=run.socket_path),
+                                    socket_path=run.socket_path, job=_job_dict(yaml_text)),
                 cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
             )
             handle = self.spawner.start(spec)

@@ -18,6 +18,7 @@ from swarm_server.engine import EngineController
 from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
+from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import code, control, episodes, runs
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -58,6 +59,7 @@ def create_app(settings: Settings) -> FastAPI:
         version=_version(),
         lifespan=lifespan,
         description="Control plane of the AgentJet training engine. See docs/api.md.",
+        responses=LIMIT_RESPONSES,  # swarm_server.limits may refuse any request
     )
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -65,6 +67,8 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(code.router)
     app.include_router(runs.router)
     app.include_router(episodes.router)
+    # Auth, header/body/depth caps and body timeouts before any route parses a byte.
+    app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
     return app
 
 

@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     # request limits
     max_json_bytes: int = Field(default=16 * MiB, gt=0)
     max_json_depth: int = Field(default=32, gt=0)
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024,
+                                  description="request line plus headers (swarm_server.limits)")
+    request_body_timeout_s: float = Field(
+        default=60.0, gt=0, description="longest wait for the next chunk of a request body")
     engine_request_timeout_s: float = Field(default=120.0, gt=0)
 
     # episodes

@@ -309,6 +309,14 @@ class SnapshotStore:
                     "POST /code/manifest, upload the missing blobs to POST /code/blobs, "
                     "then commit again",
                 )
+            # The caps were checked on the manifest's sizes; a size that lies about its
+            # blob would let the real bytes pass max_file_bytes / max_unpacked_bytes.
+            lying = [e.path for e in entries if self.blob_path(e.sha256).stat().st_size != e.size]
+            if lying:
+                raise BadRequest(
+                    f"manifest size differs from the uploaded content for: {', '.join(lying[:10])}",
+                    "send each file's real size (ajet.packaging.package_tree computes it)",
+                )
             total = sum(e.size for e in entries)
             # Files plus bytecode: twice the sources is a generous bound.
             check_free_disk(self.snapshots_dir, needed=2 * total,
@@ -384,8 +392,12 @@ class SnapshotStore:
             raise BadRequest(f"{entry.path}: escapes the snapshot folder")
         dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
+        written = 0
         with open(self.blob_path(entry.sha256), "rb") as src, open(dest, "xb") as out:
             while chunk := src.read(_CHUNK):
+                written += len(chunk)
+                if written > entry.size:  # never write more than the caps were checked on
+                    raise BadRequest(f"{entry.path}: content is larger than its manifest size")
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != entry.sha256:

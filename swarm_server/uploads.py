@@ -19,10 +19,12 @@ when the request ends, accepted or not.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import re
 import shutil
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -35,6 +37,7 @@ __all__ = [
     "StagedBlob",
     "check_free_disk",
     "declared_length",
+    "disk_full_is_507",
     "spool_body",
 ]
 
@@ -76,6 +79,24 @@ def check_free_disk(where: Path, *, needed: int, keep_free: int) -> None:
             f"{keep_free} kept in reserve",
             "free disk on the server (POST /code/gc removes old snapshots) and sync again",
         )
+
+
+@contextmanager
+def disk_full_is_507() -> Iterator[None]:
+    """Turn a write that found the disk full (ENOSPC, EDQUOT) into a 507, not a 500.
+
+    The free-disk check runs first, but another writer (or a body with no declared
+    size) can still fill the disk mid-write; the caller's temp folder is removed either way.
+    """
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise InsufficientStorage(
+            f"the server's disk filled up while writing ({exc.strerror})",
+            "free disk on the server (POST /code/gc removes old snapshots) and sync again",
+        ) from exc
 
 
 async def spool_body(chunks: AsyncIterator[bytes], dest: Path, *, limit: int) -> int:

@@ -12,7 +12,8 @@ Modules, one noun each (read in this order):
     inference.py    the generation thread: continuous batching of chat requests
     trajectory.py   what an episode recorded (token ids and sampling log-probs)
     episodes.py     episode registry: claims, timeouts, per-task groups
-    chat_api.py     the private channel (FastAPI on a Unix socket)
+    chat_api.py     the private channel's routes (status, episodes, chat completions)
+    channel.py      uvicorn on the private Unix socket
     rewards.py      reward processing
     advantages.py   GRPO advantages
     loss.py         clipped policy-gradient loss with optional KL
@@ -20,6 +21,7 @@ Modules, one noun each (read in this order):
     metrics.py      metrics.jsonl
     checkpoints.py  Hugging Face checkpoint directories
     trainer.py      the step loop (ROLLING -> ROLLING_POST -> WEIGHT_SYNCING)
+    distributed.py  several processes under torchrun: rank 0 and the collectives
     runtime.py      process assembly: boot, serve, signals, shutdown
 """
 

@@ -19,15 +19,18 @@ def _snapshot_first() -> None:
     if sys.path[:1] != [base]:
         sys.path.insert(0, base)
     # `python -m ajet.engine` imported `ajet` and `ajet.engine` (both light) before this
-    # line ran. If they came from elsewhere, start over once with the snapshot first on
-    # PYTHONPATH, so that every ajet module, this one included, comes from the snapshot.
+    # line ran, from wherever sys.path pointed (`-m` puts the working directory first).
+    # If that was not the snapshot, start over once with the snapshot at the very front,
+    # so that every ajet module, this one included, comes from the snapshot.
     import ajet
 
     here = os.path.abspath(ajet.__file__)
     if not here.startswith(base + os.sep) and os.environ.get("AJET_ENGINE_REEXEC") != "1":
         env = dict(os.environ, AJET_ENGINE_REEXEC="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (base, env.get("PYTHONPATH")) if p)
-        os.execve(sys.executable, [sys.executable, "-m", "ajet.engine", *sys.argv[1:]], env)
+        bootstrap = (f"import sys; sys.path.insert(0, {base!r}); import runpy; "
+                     "runpy.run_module('ajet.engine', run_name='__main__', alter_sys=True)")
+        os.execve(sys.executable, [sys.executable, "-c", bootstrap, *sys.argv[1:]], env)
 
 
 if __name__ == "__main__":

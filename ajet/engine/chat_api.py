@@ -100,6 +100,8 @@ class EpisodePlane:
     run_id: str | None
     ajet_file: str
     world_size: int = 1
+    #: `ajet.__file__` of every rank (rank 0 first), for the server's snapshot check
+    ranks_ajet_files: list[str] = field(default_factory=list)
     policy: Policy | None = None
     inference: InferenceService | None = None
     started_at: float = field(default_factory=time.time)
@@ -110,7 +112,7 @@ class EpisodePlane:
         return EngineReport(
             state=self.registry.state, pid=os.getpid(), ajet_file=self.ajet_file,
             step=self.registry.step, run_id=self.run_id, world_size=self.world_size,
-            ranks_ajet_files=[self.ajet_file] * self.world_size,
+            ranks_ajet_files=self.ranks_ajet_files or [self.ajet_file],
             episodes_in_flight=snap["episodes_in_flight"],
             info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3)},
         )
@@ -120,18 +122,20 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
     app = FastAPI(title="AgentJet engine (private channel)", docs_url=None, redoc_url=None)
     _install_error_handlers(app)
     registry = plane.registry
+    # The handlers are async: registry calls hold its lock for microseconds, so they run
+    # on the event loop instead of paying a thread-pool hop per request.
 
     @app.get("/status")
-    def status() -> EngineReport:
+    async def status() -> EngineReport:
         return plane.report()
 
     @app.post("/begin_episode")
-    def begin_episode(body: BeginEpisodeRequest) -> dict[str, Any]:
+    async def begin_episode(body: BeginEpisodeRequest) -> dict[str, Any]:
         episode = registry.begin(timeout_s=body.discard_episode_timeout, metadata=body.metadata)
         return {"episode_uuid": episode.uuid, "timeout_s": episode.timeout_s}
 
     @app.post("/end_episode")
-    def end_episode(body: EndEpisodeRequest) -> EndEpisodeResponse:
+    async def end_episode(body: EndEpisodeRequest) -> EndEpisodeResponse:
         registry.end(body.episode_uuid, task_id=body.task_id, reward=body.reward,
                      is_success=body.is_success, metadata=body.metadata,
                      log_metrics=body.log_metrics)
@@ -139,7 +143,7 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
                                   step=registry.step)
 
     @app.post("/abort_episode")
-    def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
+    async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
         requeued = registry.abort(body.episode_uuid)
         log.info("episode %s aborted: %s", body.episode_uuid, body.reason)
         return {"episode_uuid": body.episode_uuid, "requeued": requeued}
@@ -156,9 +160,9 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
         if policy is None or inference is None:
             raise EngineUnavailable(f"engine is {registry.state}: no policy loaded",
                                     "wait for ENGINE.ROLLING and call begin_episode")
-        prompt_ids, max_new, stop = _prepare(plane.cfg, policy, body)
-        registry.chat_started(x_episode_uuid)
+        registry.chat_started(x_episode_uuid)  # 404/409 first: a closed episode is closed
         try:
+            prompt_ids, max_new, stop = _prepare(plane.cfg, policy, body)
             events = _submit(inference, prompt_ids, max_new, stop, streaming=body.stream)
         except BaseException:
             registry.chat_finished(x_episode_uuid, None)

@@ -238,8 +238,7 @@ class EpisodeRegistry:
         """Time out claimed episodes idle past their timeout; returns their ids."""
         with self._cond:
             now = self._clock()
-            expired = [e.uuid for e in self._live.values()
-                       if e.busy == 0 and now - e.last_active > e.timeout_s]
+            expired = [e.uuid for e in self._live.values() if self._idle_expired(e, now)]
             for episode_uuid in expired:
                 self._close(episode_uuid, EpisodeStatus.TIMED_OUT)
                 self.counters["timed_out"] += 1
@@ -295,6 +294,11 @@ class EpisodeRegistry:
 
     def _require_live(self, episode_uuid: str, action: str) -> Episode:
         episode = self._live.get(episode_uuid)
+        if episode is not None and self._idle_expired(episode, self._clock()):
+            # past its timeout but not swept yet: the call sees what a sweep would leave
+            self._close(episode_uuid, EpisodeStatus.TIMED_OUT)
+            self.counters["timed_out"] += 1
+            episode = None
         if episode is not None:
             return episode
         closed = self._closed.get(episode_uuid)
@@ -307,6 +311,10 @@ class EpisodeRegistry:
                 EpisodeStatus.TIMED_OUT: "timed out (idle) and was re-queued"}[closed]
         raise EpisodeClosed(f"cannot {action} episode {episode_uuid}: it {what}",
                             "call begin_episode for a new episode")
+
+    @staticmethod
+    def _idle_expired(episode: Episode, now: float) -> bool:
+        return episode.busy == 0 and now - episode.last_active > episode.timeout_s
 
     def _close(self, episode_uuid: str, status: EpisodeStatus) -> None:
         episode = self._live.pop(episode_uuid)

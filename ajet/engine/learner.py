@@ -6,7 +6,10 @@ equals one big batch), then the gradient norm is clipped to `max_grad_norm` and 
 steps. With `kl_coef > 0` a frozen copy of the initial policy is kept as reference.
 
 Nothing here knows about episodes, HTTP or files: it takes `TrainSample`s and returns
-`UpdateStats`, so with torch.distributed every rank can run it on its share of groups.
+`UpdateStats`. Under torchrun every rank calls `update` with the whole batch, trains on
+the task groups with `group % world_size == rank`, and the gradients and metric sums are
+added up over the ranks (`distributed.Dist`); every rank then takes the same optimizer
+step, so the replicas stay identical. With one process this is plain local training.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ajet.engine.config import EngineConfig
+from ajet.engine.distributed import Dist
 from ajet.engine.loss import LossTerms, policy_loss
 from ajet.engine.policy import Policy, score_responses
 
@@ -36,6 +40,8 @@ class TrainSample:
     response_ids: tuple[int, ...]
     old_logprobs: tuple[float, ...]
     advantage: float
+    #: index of the episode's task group in the batch; ranks split the batch by group
+    group: int = 0
 
 
 @dataclass
@@ -53,11 +59,12 @@ class UpdateStats:
 
 
 class Learner:
-    def __init__(self, policy: Policy, cfg: EngineConfig) -> None:
+    def __init__(self, policy: Policy, cfg: EngineConfig, dist: Dist | None = None) -> None:
         self.policy = policy
         self.cfg = cfg
-        params = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.adam_betas,
+        self.dist = dist or Dist()
+        self.params = [p for p in policy.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.adam_betas,
                                            weight_decay=cfg.weight_decay)
         self.reference = None
         if cfg.kl_coef > 0:
@@ -66,12 +73,17 @@ class Learner:
                 p.requires_grad_(False)
 
     def update(self, samples: Sequence[TrainSample]) -> UpdateStats:
-        """Train on `samples`; holds the policy lock so no token is sampled meanwhile."""
+        """Train on this rank's share of `samples` (the whole batch, same on every rank).
+
+        Holds the policy lock so no token is sampled meanwhile.
+        """
         start = time.perf_counter()
         samples = [s for s in samples if s.response_ids]
-        n_tokens = sum(len(s.response_ids) for s in samples)
+        n_tokens = sum(len(s.response_ids) for s in samples)  # of the whole batch
         if not samples:
             return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, time.perf_counter() - start)
+        dist = self.dist
+        mine = [s for s in samples if s.group % dist.world_size == dist.rank]
         model, cfg = self.policy.model, self.cfg
         losses: list[float] = []
         kl_sum = entropy_sum = clipped = grad_norm = 0.0
@@ -80,24 +92,30 @@ class Learner:
             try:
                 for epoch in range(cfg.ppo_epochs):
                     self.optimizer.zero_grad(set_to_none=True)
-                    epoch_loss = epoch_kl = 0.0
-                    for first in range(0, len(samples), cfg.micro_batch_size):
-                        micro = samples[first:first + cfg.micro_batch_size]
+                    # local sums: loss (already / n_tokens), kl, entropy, clipped tokens
+                    sums = [0.0, 0.0, 0.0, 0.0]
+                    for first in range(0, len(mine), cfg.micro_batch_size):
+                        micro = mine[first:first + cfg.micro_batch_size]
                         terms, entropy = self._micro_batch(micro, n_tokens,
                                                            with_entropy=epoch == 0)
                         terms.loss.backward()
-                        epoch_loss += float(terms.loss.detach())
-                        epoch_kl += terms.kl_sum if self.reference is not None \
+                        sums[0] += float(terms.loss.detach())
+                        sums[1] += terms.kl_sum if self.reference is not None \
                             else terms.approx_kl_old_sum
-                        if epoch == 0:
-                            entropy_sum += entropy
-                        if epoch == cfg.ppo_epochs - 1:
-                            clipped += terms.clipped_tokens
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(
-                        model.parameters(), cfg.max_grad_norm))
+                        sums[2] += entropy
+                        sums[3] += terms.clipped_tokens
+                    # each rank's loss is its share of the batch loss: summing the
+                    # gradients over the ranks gives the gradient of the whole batch
+                    dist.sum_gradients(self.params)
+                    sums = dist.sum_floats(sums, self.policy.device)
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
+                                                                     cfg.max_grad_norm))
                     self.optimizer.step()
-                    losses.append(epoch_loss)
-                    kl_sum = epoch_kl
+                    losses.append(sums[0])
+                    kl_sum = sums[1]
+                    if epoch == 0:
+                        entropy_sum = sums[2]
+                    clipped = sums[3]
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 model.eval()

@@ -10,6 +10,10 @@ built first if needed), the generation thread, then the step loop (`trainer.trai
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, or `max_steps` reached), with the
 final checkpoint in `<run_dir>/final/`; 1 on any error, its traceback on stderr, which
 the server appends to `<run_dir>/engine.log`. Signal handlers only set an event.
+
+Under `torchrun` (docs/distributed.md) every rank runs this; rank 0 alone opens the
+private channel, generates, writes metrics and checkpoints, and decides when to stop
+(the other ranks follow it, whatever signals they get themselves).
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                        format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s")
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -56,18 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     try:
-        return _run(args, stop)
+        return _run(args, stop, rank=rank)
     except Exception:
         log.exception("engine failed (run %s)", args.run_id)
         return 1
 
 
-def _run(args: argparse.Namespace, stop: threading.Event) -> int:
+def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     started = time.monotonic()
     import ajet
 
+    ajet_file = str(Path(ajet.__file__).resolve())
     log.info("engine pid %d, run %s, ajet from %s, python %s", os.getpid(), args.run_id,
-             ajet.__file__, sys.version.split()[0])
+             ajet_file, sys.version.split()[0])
 
     # A bad job fails here, before the slow imports, with each bad field named.
     from ajet.copilot.job import AgentJetJob
@@ -86,12 +93,13 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     from ajet.engine.chat_api import EpisodePlane, create_channel_app
     from ajet.engine.checkpoints import save_checkpoint
     from ajet.engine.config import load_engine_config
+    from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
     from ajet.engine.episodes import EpisodeRegistry
     from ajet.engine.inference import InferenceService
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
     from ajet.engine.policy import load_policy, resolve_model_path
-    from ajet.engine.trainer import TrainerParts, train
+    from ajet.engine.trainer import TrainerParts, follow, train
 
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -101,38 +109,60 @@ def _run(args: argparse.Namespace, stop: threading.Event) -> int:
     torch.set_num_threads(cfg.cpu_threads)
     torch.manual_seed(cfg.seed)
 
-    registry = EpisodeRegistry(group_size=cfg.num_repeat, max_in_flight=cfg.max_in_flight,
-                               default_timeout_s=cfg.episode_timeout_s)
-    plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
-                         ajet_file=str(Path(ajet.__file__).resolve()),
-                         info={"experiment_name": cfg.experiment_name, "model": cfg.model,
-                               "device": cfg.device})
-    channel = ChannelServer(create_channel_app(plane), args.socket or run_dir / "engine.sock")
-    channel.start()  # GET /status answers ENGINE.BOOTING from here on
+    channel: ChannelServer | None = None
+    plane: EpisodePlane | None = None
+    registry: EpisodeRegistry | None = None
+    if rank == 0:  # the episode plane answers ENGINE.BOOTING while the rest boots
+        registry = EpisodeRegistry(group_size=cfg.num_repeat, max_in_flight=cfg.max_in_flight,
+                                   default_timeout_s=cfg.episode_timeout_s)
+        plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
+                             ajet_file=ajet_file,
+                             info={"experiment_name": cfg.experiment_name, "model": cfg.model,
+                                   "device": cfg.device})
+        channel = ChannelServer(create_channel_app(plane),
+                                args.socket or run_dir / "engine.sock")
+        channel.start()
     inference: InferenceService | None = None
     metrics: MetricsWriter | None = None
+    dist = Dist()
     try:
-        model_path = resolve_model_path(cfg.model, workdir=args.workdir.resolve(), seed=cfg.seed)
-        policy = load_policy(model_path, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed)
+        # every rank resolves (ajet-tiny: builds) the checkpoint before joining the group
+        model_path = resolve_model_path(cfg.model, workdir=args.workdir.resolve(),
+                                        seed=cfg.seed)
+        dist = init_distributed(on_gpu=cfg.device == "cuda")
+        if dist.active and "TORCHELASTIC_RUN_ID" in os.environ:
+            start_orphan_watchdog()
+        ajet_files = dist.gather(ajet_file)
+        device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
+        policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
+        dist.sync_parameters(policy.model)
+        learner = Learner(policy, cfg, dist)
+        if plane is None or registry is None:  # ranks > 0: train on what rank 0 sends
+            steps = follow(learner, dist)
+            log.info("rank %d stopped after %d step(s)", dist.rank, steps)
+            return 0
+        plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
         plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
         inference = InferenceService(policy, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_batch=cfg.max_generation_batch, seed=cfg.seed)
         inference.start()
         plane.policy, plane.inference = policy, inference
-        learner = Learner(policy, cfg)
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
-        log.info("booted in %.1f s", time.monotonic() - started)
+        log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
+                 dist.world_size)
         steps = train(TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                                    metrics=metrics, run_dir=run_dir, run_id=args.run_id,
-                                   stop=stop, started=started))
+                                   stop=stop, started=started, dist=dist))
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
         save_checkpoint(policy, run_dir / "final", step=steps, run_id=args.run_id)
     finally:
         if inference is not None:
             inference.stop()
-        channel.stop()
+        if channel is not None:
+            channel.stop()
         if metrics is not None:
             metrics.close()
+        dist.close()
     log.info("engine stopped cleanly")
     return 0

@@ -113,8 +113,14 @@ def build_tiny_checkpoint(target: Path, *, seed: int = 0, spec: TinySpec | None 
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
     target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target)
+    # is_main_process: under torch.distributed, save_pretrained on a rank other than 0
+    # would silently skip the weights; every rank may build its own copy here
+    model.save_pretrained(target, is_main_process=True)
     tokenizer.save_pretrained(target)
+    missing = [name for name in ("config.json", "model.safetensors", "tokenizer_config.json")
+               if not (target / name).is_file()]
+    if missing:
+        raise RuntimeError(f"building {TINY_MODEL_NAME} left out {missing} in {target}")
     (target / "ajet_tiny.json").write_text(json.dumps(
         {"seed": seed, "spec": dataclasses.asdict(spec), "format": _FORMAT_VERSION,
          "parameters": sum(p.numel() for p in model.parameters())}, indent=2))

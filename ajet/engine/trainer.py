@@ -12,8 +12,10 @@ One step, top to bottom (docs/internals.md):
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
 lets an update that has begun finish; the caller then writes the final checkpoint.
-Everything here runs on the process that owns the episode plane (rank 0); the update
-itself (`Learner.update`) is the part every rank would run under torch.distributed.
+
+`train` runs on the process that owns the episode plane (rank 0). Under torchrun the
+other ranks run `follow`: they receive each step's batch from rank 0 and call the same
+`Learner.update` on their share, until rank 0 sends "stop".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from ajet.engine.advantages import grpo_advantages
 from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig
+from ajet.engine.distributed import Dist
 from ajet.engine.episodes import EpisodeRegistry, Group
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.metrics import MetricsWriter, step_metrics
@@ -35,7 +38,7 @@ from ajet.engine.policy import Policy
 from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
 
-__all__ = ["TrainerParts", "build_samples", "train"]
+__all__ = ["TrainerParts", "build_samples", "follow", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +55,17 @@ class TrainerParts:
     stop: threading.Event
     #: monotonic time the engine process started (wall_time_s counts from it)
     started: float
+    dist: Dist
 
 
 def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
     """One sample per completion; every completion of an episode gets its advantage."""
-    episodes = [e for g in groups for e in g.episodes]
+    tagged = [(gi, e) for gi, g in enumerate(groups) for e in g.episodes]
     samples = []
-    for episode, advantage in zip(episodes, advantages, strict=True):
+    for (gi, episode), advantage in zip(tagged, advantages, strict=True):
         for c in episode.trajectory.completions:
-            samples.append(TrainSample(c.prompt_ids, c.response_ids, c.logprobs, advantage))
+            samples.append(TrainSample(c.prompt_ids, c.response_ids, c.logprobs, advantage,
+                                       group=gi))
     return samples
 
 
@@ -90,7 +95,8 @@ def train(parts: TrainerParts) -> int:
         rewards = process_rewards([e.reward or 0.0 for e in episodes], clip=cfg.reward_clip)
         group_ids = [gi for gi, g in enumerate(groups) for _ in g.episodes]
         advantages = grpo_advantages(rewards, group_ids, eps=cfg.adv_eps)
-        update = parts.learner.update(build_samples(groups, advantages))
+        samples = parts.dist.broadcast(("train", build_samples(groups, advantages)))[1]
+        update = parts.learner.update(samples)
         step += 1
 
         # metrics line, then a checkpoint every save_every steps
@@ -105,4 +111,16 @@ def train(parts: TrainerParts) -> int:
             save_checkpoint(parts.policy, step_checkpoint_dir(parts.run_dir, step), step=step,
                             run_id=parts.run_id)
     registry.set_state(EngineState.ROLLING_POST, step=step)  # no claims while shutting down
+    parts.dist.broadcast(("stop", []))
     return step
+
+
+def follow(learner: Learner, dist: Dist) -> int:
+    """Ranks other than 0: train on each batch rank 0 sends, until it says stop."""
+    steps = 0
+    while True:
+        command, samples = dist.broadcast(None)
+        if command == "stop":
+            return steps
+        learner.update(samples)
+        steps += 1

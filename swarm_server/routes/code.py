@@ -65,6 +65,7 @@ from swarm_server.uploads import (
     StagedBlob,
     check_free_disk,
     declared_length,
+    disk_full_is_507,
     spool_body,
 )
 
@@ -114,7 +115,7 @@ async def sync_train_code(
                                    limit=settings.max_upload_bytes)
         check_free_disk(store.incoming_dir, needed=declared or 0,
                         keep_free=settings.min_free_disk_bytes)
-        with store.incoming() as tmp:
+        with disk_full_is_507(), store.incoming() as tmp:
             body = tmp / "upload.zip"
             try:
                 received = await spool_body(request.stream(), body,
@@ -162,7 +163,7 @@ async def code_blobs(request: Request, ctx: Ctx, role: ControlAuth) -> BlobsUplo
                                limit=settings.max_upload_bytes)
     check_free_disk(store.incoming_dir, needed=declared or 0,
                     keep_free=settings.min_free_disk_bytes)
-    with store.incoming() as tmp:
+    with disk_full_is_507(), store.incoming() as tmp:
         parser = BlobStreamParser(tmp, max_blob_bytes=settings.max_file_bytes,
                                   max_blobs=settings.max_files, have=store.has_blob)
         received = checked = 0
@@ -206,8 +207,9 @@ def code_commit(body: CommitRequest, ctx: Ctx, role: ControlAuth) -> CodeSyncRes
             )
         if store.active_id() != snapshot_id:
             _require_offline_or_restart(ctx, body.force_restart)
-        rec, reused, timings = store.materialise(entries, body.provenance,
-                                                 approved_by=body.approved_by)
+        with disk_full_is_507():
+            rec, reused, timings = store.materialise(entries, body.provenance,
+                                                     approved_by=body.approved_by)
         result = _activate(ctx, rec, force_restart=body.force_restart, role=role,
                            reused=reused, timings=timings)
         result.untracked_left_out = list(body.provenance.untracked_left_out)

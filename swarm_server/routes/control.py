@@ -21,6 +21,7 @@ from ajet.protocol import (
     VersionResponse,
 )
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
+from swarm_server.errors import NotFound
 
 __all__ = ["router"]
 
@@ -64,6 +65,16 @@ _INVALID_JOB: dict[int | str, dict[str, object]] = {
 def sync_train_config(body: SyncConfigRequest, ctx: Ctx, role: ControlAuth) -> ConfigAccepted:
     """Store an `AgentJetJob` YAML, validated by the active code. Only while OFFLINE."""
     return ctx.engine.set_config(body.yaml, role=role)
+
+
+@router.get("/sync_train_config", responses={**_READER_ERRORS, 404: {"model": ErrorBody}})
+def get_train_config(ctx: Ctx, _: ReaderAuth) -> ConfigAccepted:
+    """The stored job config: what the next `start_engine` runs with."""
+    current = ctx.engine.current_config()
+    if current is None:
+        raise NotFound("no training config was sent to this server yet",
+                       "call sync_train_config with an AgentJetJob YAML")
+    return current
 
 
 @router.post("/start_engine", responses={**_AUTH_ERRORS, **_STATE_ERROR})

@@ -40,6 +40,8 @@ router = APIRouter(tags=["runs"])
 #: A regex `grep` longer than this is refused (keeps pathological patterns small).
 MAX_REGEX_CHARS = 200
 CURRENT = "current"
+#: Paging offsets stay far inside SQLite's 64-bit integers (a larger one was a 500).
+MAX_OFFSET = 1_000_000_000
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong token"},
@@ -54,7 +56,7 @@ def list_runs(
     ctx: Ctx, _: ReaderAuth,
     experiment_name: Annotated[str | None, Query(max_length=200)] = None,
     status: Literal["booting", "running", "ended", "failed"] | None = None,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> RunsPage:
     """Runs, newest first, optionally filtered by experiment name and status."""
@@ -130,7 +132,7 @@ def get_logs(
 @router.get("/audit", responses={**_ERRORS, 403: {"model": ErrorBody}})
 def get_audit(
     ctx: Ctx, _: ControlAuth,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> AuditPage:
     """The append-only log of control actions, oldest first. Control token only."""

@@ -26,6 +26,15 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+@pytest.fixture(autouse=True)
+def _restore_sys_path() -> Iterator[None]:
+    # Loading a workflow in process puts its (temporary) repo first on sys.path; later
+    # tests must not import modules from there.
+    saved = list(sys.path)
+    yield
+    sys.path[:] = saved
+
+
 @pytest.fixture
 def repo(tmp_path: Path) -> Path:
     return make_ajet_repo(tmp_path / "repo")

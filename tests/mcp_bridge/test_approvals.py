@@ -56,7 +56,7 @@ def test_same_content_reuses_the_pending_request(tmp_path: Path) -> None:
     first = _request(store)
     assert _request(store).id == first.id
     assert _request(store, SNAP_B).id != first.id
-    assert len(store.list()) == 2
+    assert len(store.all()) == 2
 
 
 def test_requests_and_approvals_expire(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_files_are_private_json_and_corrupt_ones_are_skipped(tmp_path: Path) -> 
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert json.loads(path.read_text())["snapshot_id"] == SNAP_A
     (tmp_path / "zzzzzzzz.json").write_text("{not json")
-    assert [a.id for a in store.list()] == [filed.id]
+    assert [a.id for a in store.all()] == [filed.id]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -117,7 +117,7 @@ def test_mark_used_and_prune(tmp_path: Path) -> None:
     assert store.mark_used(filed.id).used_at == clock.now
     clock.now += 8 * 86_400
     assert store.prune() == 1
-    assert store.list() == []
+    assert store.all() == []
 
 
 def test_default_dir_honours_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

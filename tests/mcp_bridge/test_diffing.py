@@ -25,7 +25,8 @@ ADDED = b"new = True\n"
 
 
 def _manifests():
-    running = [_entry("ajet/a.py", OLD_A), _entry("ajet/keep.py", KEEP), _entry("ajet/gone.py", GONE)]
+    running = [_entry("ajet/a.py", OLD_A), _entry("ajet/keep.py", KEEP),
+               _entry("ajet/gone.py", GONE)]
     local = [_entry("ajet/a.py", NEW_A), _entry("ajet/keep.py", KEEP), _entry("ajet/new.py", ADDED)]
     return local, running
 
@@ -62,7 +63,8 @@ def test_mode_only_binary_and_missing_newline() -> None:
     running = [_entry("ajet/run.sh", script), _entry("ajet/w.bin", b"\x00old")]
     local = [_entry("ajet/run.sh", script, 0o755), _entry("ajet/w.bin", binary),
              _entry("ajet/tail.py", b"x = 1")]
-    text = render_diff(compare_manifests(local, running), read_new=_reader(script, binary, b"x = 1"),
+    text = render_diff(compare_manifests(local, running),
+                       read_new=_reader(script, binary, b"x = 1"),
                        read_old=_reader(script, b"\x00old"))
     assert "mode 0o644 -> 0o755" in text
     assert "(binary file: not diffed)" in text

@@ -31,7 +31,8 @@ from tests.mcp_bridge.conftest import (
 pytestmark = pytest.mark.anyio
 
 REWARD_FILE = "ajet/engine/rewards.py"
-PROTOCOLS = ["auto", "legacy"]  # auto negotiates 2026-07-28 (InputRequiredResult), legacy 2025-11-25
+# auto negotiates 2026-07-28 (elicitation inside InputRequiredResult); legacy 2025-11-25
+PROTOCOLS = ["auto", "legacy"]
 
 
 def _edit(repo: Path, marker: str) -> None:
@@ -63,12 +64,14 @@ async def test_tools_annotations_prompts_and_instructions(bridge_factory: Any) -
         assert "description" in sync_params["dry_run"]
         configure_params = tools["configure"].input_schema["properties"]
         assert {"experiment_name", "model", "batch_size", "num_repeat", "lr", "n_gpu",
-                "max_prompt_length", "max_response_length", "extra", "reset"} <= set(configure_params)
+                "max_prompt_length", "max_response_length", "extra",
+                "reset"} <= set(configure_params)
         assert not any("approv" in name for name in tools)  # no tool lets the model approve
 
         prompts = {p.name: p for p in (await client.list_prompts()).prompts}
         files = prompt_files()
-        assert set(prompts) == set(files) and {"research_loop", "debugging", "sync_rules"} <= set(files)
+        assert set(prompts) == set(files)
+        assert {"research_loop", "debugging", "sync_rules"} <= set(files)
         got = await client.get_prompt("sync_rules")
         assert got.messages[0].content.text == files["sync_rules"]
 
@@ -155,7 +158,8 @@ async def test_without_elicitation_a_pending_approval_gates_the_sync(
         assert first["status"] == "pending_approval"
         approval_id = first["approval"]["approval_id"]
         command = first["approval"]["human_command"]
-        assert command.startswith("ajet-mcp approvals") and command.endswith(f"approve {approval_id}")
+        assert command.startswith("ajet-mcp approvals")
+        assert command.endswith(f"approve {approval_id}")
         assert str(approvals_dir) in command  # a non-default folder is named in the command
         assert command in first["message"] and "cannot approve" in first["message"]
         assert snapshot_count(bridge) == 0

@@ -54,13 +54,13 @@ def _start(bridge: Bridge, workdir: Path, **behaviour: Any) -> str:
     return result.run_id
 
 
-def test_configure_reports_changes_against_what_it_sent(bridge: Bridge) -> None:
+def test_configure_reports_changes_against_the_stored_config(bridge: Bridge) -> None:
     first = tools.configure(bridge, {"experiment_name": "exp-a", "batch_size": 2})
     assert {c.field for c in first.changed} == {"experiment_name", "batch_size"}
     second = tools.configure(bridge, {"lr": 0.01})
     assert [(c.field, c.after) for c in second.changed] == [("lr", 0.01)]
     assert second.config["batch_size"] == 2 and second.config["experiment_name"] == "exp-a"
-    assert "last sent" in second.compared_with  # the server has no route to read it back
+    assert second.compared_with == "the server's stored config"
     with pytest.raises(ToolError, match=r"max_new_tokens.*Next: fix the named field"):
         tools.configure(bridge, {"max_new_tokens": 10_000, "max_response_length": 8})
 

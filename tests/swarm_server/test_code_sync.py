@@ -12,8 +12,6 @@ import hashlib
 import os
 import re
 import socket
-import stat
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -32,6 +30,16 @@ from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.uploads import check_free_disk
+from tests.hostile import (
+    HOSTILE_LIMITS,
+    blob_record,
+    commit_all,
+    git,
+    manifest_entry,
+    snapshot_dirs,
+    tree_digest,
+    tree_repo,
+)
 from tests.support import (
     CONTROL_TOKEN,
     PROJECT_ROOT,
@@ -43,64 +51,7 @@ from tests.support import (
 from tests.swarm_server.fake_engine import server_env
 from tests.swarm_server.test_safe_zip import HOSTILE
 
-GIT = ["git", "-c", "user.email=t@example.com", "-c", "user.name=test"]
 SNAPSHOT_PATH = re.compile(r"^ajet_temp/\d{8}_\d{6}_\d{6}/ajet$")
-# The server limits used by the hostile corpus match test_safe_zip.LIMITS.
-HOSTILE_LIMITS = {
-    "AJET_SWARM_MAX_FILES": "20",
-    "AJET_SWARM_MAX_FILE_BYTES": str(1 << 20),
-    "AJET_SWARM_MAX_UNPACKED_BYTES": str(4 << 20),
-    "AJET_SWARM_MAX_COMPRESSION_RATIO": "100",
-    "AJET_SWARM_MAX_UPLOAD_BYTES": str(8 << 20),
-}
-
-
-def git(repo: Path, *args: str) -> str:
-    return subprocess.run([*GIT, "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True).stdout
-
-
-def commit_all(repo: Path) -> None:
-    git(repo, "add", "-A")
-    git(repo, "commit", "-q", "-m", "change")
-
-
-def tree_repo(root: Path, n_files: int, file_bytes: int = 64) -> Path:
-    """A git repo whose ajet/ holds `n_files` distinct small modules."""
-    pkg = root / "ajet"
-    for i in range(n_files):
-        sub = pkg / f"m{i % 10}"
-        sub.mkdir(parents=True, exist_ok=True)
-        (sub / "__init__.py").write_text("")
-        # hex noise compresses like real source (a few times), not like a zip bomb
-        noise = "".join(hashlib.sha256(f"{i}-{j}".encode()).hexdigest() + "\n"
-                        for j in range(max(0, file_bytes - 20) // 65))
-        body = f"VALUE_{i} = {i}\n" + "".join(f"# {line}\n" for line in noise.split())
-        (sub / f"mod_{i}.py").write_text(body)
-    (pkg / "__init__.py").write_text('"""synthetic ajet"""\n')
-    subprocess.run(["git", "init", "-q", "-b", "main", str(root)], check=True)
-    commit_all(root)
-    return root
-
-
-def snapshot_dirs(workdir: Path) -> list[str]:
-    root = workdir / "ajet_temp"
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-
-
-def tree_digest(root: Path) -> dict[str, str]:
-    """Every path under `root` with its type, mode and content hash: byte-for-byte state."""
-    out: dict[str, str] = {}
-    if not root.exists():
-        return out
-    for path in sorted(root.rglob("*")):
-        st = path.lstat()
-        rel = path.relative_to(root).as_posix()
-        if stat.S_ISDIR(st.st_mode):
-            out[rel] = f"dir {st.st_mode:o}"
-        else:
-            out[rel] = f"{st.st_mode:o} {hashlib.sha256(path.read_bytes()).hexdigest()}"
-    return out
 
 
 def files_under(folder: Path) -> dict[str, bytes]:
@@ -410,10 +361,7 @@ def test_hostile_zip_gets_4xx_and_changes_nothing(hostile_server: ServerHandle,
     _assert_untouched(hostile_server, before)
 
 
-def _entry(path: str = "ajet/x.py", data: bytes = b"x = 1\n", mode: int = 0o644
-           ) -> dict[str, object]:
-    return {"path": path, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-            "mode": mode}
+_entry = manifest_entry
 
 
 HOSTILE_MANIFESTS: dict[str, tuple[list[dict[str, object]], int]] = {
@@ -451,9 +399,7 @@ def test_hostile_manifest_gets_4xx_and_changes_nothing(hostile_server: ServerHan
     _assert_untouched(hostile_server, before)
 
 
-def _blob_record(data: bytes, sha: str | None = None, size: int | None = None) -> bytes:
-    sha = sha or hashlib.sha256(data).hexdigest()
-    return f"{sha} {len(data) if size is None else size}\n".encode() + data
+_blob_record = blob_record
 
 
 HOSTILE_BLOB_BODIES: dict[str, tuple[bytes, int, str]] = {

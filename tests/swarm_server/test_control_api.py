@@ -20,6 +20,7 @@ import pytest
 
 import ajet
 from ajet.client import SwarmClient
+from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState, EngineStatus
 from tests.support import (
     CONTROL_TOKEN,
@@ -318,3 +319,13 @@ def test_cli_status_and_stop_talk_to_a_running_server(srv: ServerHandle) -> None
         httpx.get(f"{srv.url}/health", timeout=2)
     unreachable = _cli("status", "--swarm-url", srv.url)
     assert unreachable.returncode == 1 and "cannot reach" in unreachable.stderr
+
+
+def test_stored_config_reads_back(server: ServerHandle) -> None:
+    with SwarmClient(server.url) as client:
+        assert client.get_train_config() is None
+        sent = client.sync_train_config(AgentJetJob(experiment_name="read_back", batch_size=3))
+        stored = client.get_train_config()
+    assert stored is not None
+    assert stored.config_hash == sent.config_hash
+    assert stored.config["batch_size"] == 3 and stored.experiment_name == "read_back"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import io
 import stat
-import struct
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -18,43 +17,10 @@ import pytest
 
 from swarm_server.errors import ApiError
 from swarm_server.safe_zip import SafeZip, ZipLimits
+from tests.hostile import central_entries, make_zip, patch, with_raw_name
 
 LIMITS = ZipLimits(max_files=20, max_file_bytes=1 << 20, max_unpacked_bytes=4 << 20,
                    max_compression_ratio=100.0)
-
-
-def make_zip(members: list[tuple[str, bytes]], *, mode: int = stat.S_IFREG | 0o644,
-             method: int = zipfile.ZIP_DEFLATED) -> bytes:
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w") as zf:
-        for name, data in members:
-            info = zipfile.ZipInfo(name)
-            info.create_system = 3
-            info.external_attr = mode << 16
-            info.compress_type = method
-            zf.writestr(info, data)
-    return buf.getvalue()
-
-
-def central_entries(data: bytes) -> list[int]:
-    """Offsets of the central-directory headers."""
-    out, at = [], 0
-    while (at := data.find(b"PK\x01\x02", at)) >= 0:
-        out.append(at)
-        at += 4
-    return out
-
-
-def patch(data: bytes, offset: int, fmt: str, value: int) -> bytes:
-    raw = bytearray(data)
-    struct.pack_into(fmt, raw, offset, value)
-    return bytes(raw)
-
-
-def with_raw_name(name_template: str, replace: bytes, by: bytes) -> bytes:
-    # zipfile cuts names at NUL when writing; write a placeholder and patch both headers
-    data = make_zip([(name_template, b"x = 1\n")])
-    return data.replace(replace, by)
 
 
 def symlink_zip() -> bytes:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,3 +190,18 @@ def test_boot_error_leaves_a_traceback_and_a_nonzero_exit(tmp_path: Path) -> Non
     log = handle.log()
     assert "Traceback (most recent call last)" in log
     assert "JobValidationError" in log and "batch_size" in log and "not_a_field" in log
+
+
+def test_the_snapshot_named_by_isolated_base_dir_is_imported_first(tmp_path: Path) -> None:
+    base = tmp_path / "ajet_temp" / "20260101_000000"
+    shutil.copytree(PROJECT_ROOT / "ajet", base / "ajet",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["ISOLATED_AGENTJET_BASE_DIR"] = str(base)
+    (tmp_path / "job.yaml").write_text("batch_size: 0\n")  # fails fast, after the log line
+    out = subprocess.run(
+        [sys.executable, "-m", "ajet.engine", "--config", str(tmp_path / "job.yaml"),
+         "--run-dir", str(tmp_path / "run")],
+        cwd=PROJECT_ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"ajet from {base / 'ajet' / '__init__.py'}" in out.stderr

@@ -102,6 +102,16 @@ def test_busy_episode_never_times_out_and_idle_counts_from_last_activity() -> No
         reg.end(ep.uuid, task_id="t", reward=1.0)
 
 
+def test_an_expired_claim_is_timed_out_at_the_next_call_even_before_a_sweep() -> None:
+    reg, clock = make(timeout=5.0)
+    ep = reg.begin()
+    clock.now += 6.0
+    with pytest.raises(EpisodeClosed, match="timed out"):
+        reg.end(ep.uuid, task_id="t", reward=1.0)
+    assert reg.in_flight() == 0 and reg.counters["timed_out"] == 1
+    assert reg.sweep() == []
+
+
 def test_per_episode_timeout_overrides_the_default() -> None:
     reg, clock = make(timeout=100.0)
     short = reg.begin(timeout_s=1.0)

@@ -1,0 +1,129 @@
+"""Several engine processes under torchrun (gloo on CPU), launched by a real swarm server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ajet.client import SwarmClient
+from ajet.copilot.job import AgentJetJob
+from ajet.errors import EngineStateConflict
+from ajet.protocol import EngineState
+from swarm_server.engine import engine_command
+from swarm_server.settings import Settings
+from tests.support import PROJECT_ROOT, process_alive, start_server
+
+JOB = dict(batch_size=1, num_repeat=4, max_new_tokens=8, lr=0.01, seed=3)
+
+
+def test_engine_command_wraps_multi_process_jobs_in_torchrun(tmp_path: Path) -> None:
+    settings = Settings(workdir=tmp_path)
+    kwargs: dict[str, Any] = {"run_id": "r", "run_dir": tmp_path, "socket_path": tmp_path / "s"}
+    single = engine_command(settings, **kwargs, job={"n_gpu": 0, "n_proc": 1})
+    assert single[1:3] == ["-m", "ajet.engine"]
+    cpu = engine_command(settings, **kwargs, job={"n_gpu": 0, "n_proc": 2})
+    assert cpu[1:3] == ["-m", "torch.distributed.run"]
+    assert "--nproc_per_node=2" in cpu and "--standalone" in cpu
+    assert cpu[cpu.index("--config") - 2:cpu.index("--config")] == ["-m", "ajet.engine"]
+    gpu = engine_command(settings, **kwargs, job={"n_gpu": 8, "n_proc": 1, "nnodes": 2,
+                                                  "node_rank": 1,
+                                                  "rdzv_endpoint": "10.0.0.1:29500"})
+    assert "--nproc_per_node=8" in gpu and "--nnodes=2" in gpu and "--node_rank=1" in gpu
+    assert "--master_addr=10.0.0.1" in gpu and "--master_port=29500" in gpu
+
+
+def _episodes(client: SwarmClient, n: int) -> None:
+    """n sequential episodes of one task (one worker: sampling is deterministic)."""
+    import openai
+
+    done = 0
+    while done < n:
+        try:
+            ep = client.begin_episode()
+        except EngineStateConflict:
+            time.sleep(0.05)
+            continue
+        reply = openai.OpenAI(base_url=ep.openai_base_url, api_key=ep.openai_api_key,
+                              max_retries=0).chat.completions.create(
+            model="ajet-tiny", messages=[{"role": "user", "content": "digits"}])
+        text = reply.choices[0].message.content or ""
+        share = sum(c.isdigit() for c in text) / len(text) if text else 0.0
+        client.end_episode(ep.episode_uuid, "one-task", share)
+        done += 1
+
+
+def _train(root: Path, n_proc: int, steps: int) -> tuple[list[dict[str, Any]], Any]:
+    server = start_server(root)
+    try:
+        with SwarmClient(server.url, timeout=60) as client:
+            status = client.auto_sync_train_config_and_start_engine(
+                AgentJetJob(n_proc=n_proc, **JOB), wait_timeout=180)
+            _episodes(client, steps * JOB["num_repeat"])
+            deadline = time.monotonic() + 60
+            while len(points := client.get_metrics().points) < steps:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            report = client.get_engine_status()
+            client.stop_engine()
+            return points, (status, report)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
+    single, _ = _train(tmp_path / "one", 1, 3)
+    double, (status, _) = _train(tmp_path / "two", 2, 3)
+    for a, b in zip(single, double, strict=True):
+        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-3)
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-3)
+        assert a["entropy"] == pytest.approx(b["entropy"], abs=1e-3)
+    log = next((tmp_path / "two" / "runs").iterdir()).joinpath("engine.log").read_text()
+    assert "[rank 1]" in log and "rank 1 stopped" in log
+    assert status.ajet_file == str(PROJECT_ROOT / "ajet" / "__init__.py")
+
+
+@pytest.mark.slow
+def test_a_killed_rank_brings_the_engine_offline_with_its_error(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "swarm")
+    try:
+        with SwarmClient(server.url, timeout=60) as client:
+            status = client.auto_sync_train_config_and_start_engine(
+                AgentJetJob(n_proc=2, **JOB), wait_timeout=180)
+            assert status.pid is not None
+            ranks = _children(status.pid)
+            assert len(ranks) == 2
+            victim = max(ranks)  # the later-started child: rank 1
+            os.kill(victim, signal.SIGKILL)
+            deadline = time.monotonic() + 60
+            while (now := client.get_engine_status()).state != EngineState.OFFLINE:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            assert now.last_error is not None
+            tail = "\n".join(now.last_error.log_tail)
+            assert f"pid: {victim}" in tail and "SIGKILL" in tail
+            deadline = time.monotonic() + 30
+            while any(process_alive(p) for p in [status.pid, *ranks]):
+                assert time.monotonic() < deadline, "a process of the engine tree survived"
+                time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry.name))
+    return sorted(found)

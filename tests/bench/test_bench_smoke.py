@@ -1,0 +1,126 @@
+"""Smoke test of `bench/`: every benchmark module runs end to end with tiny counts.
+
+No figure is judged here (speed belongs to `make bench`, never to tests): each module
+must finish, return well-formed rows (finite medians, a unit, a rerun command) and
+leave no server behind. The modules that boot the torch engine are marked slow.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bench.__main__ import MODULES, main
+from bench.context import BenchContext
+from bench.report import Row
+from bench.tree import edit_one_file, make_tree, restore_tree
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ctx() -> Iterator[BenchContext]:
+    with BenchContext(reps=1, quick=True) as context:
+        yield context
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _check(rows: list[Row], name: str) -> None:
+    assert rows, f"{name} returned no rows"
+    for row in rows:
+        assert math.isfinite(row.median), row
+        assert row.unit and row.repetitions >= 1, row
+        assert row.rerun == f"python -m bench --only {name}", row
+        if row.reference is not None:
+            assert math.isfinite(row.reference) and row.reference_name, row
+
+
+def _run_module(name: str, ctx: BenchContext) -> list[Row]:
+    before = _children()
+    rows = MODULES[name](ctx)
+    _check(rows, name)
+    assert _children() <= before, f"{name} left processes running"
+    return rows
+
+
+def test_tree_has_the_issue_size_and_one_edit_changes_one_file(tmp_path: Path) -> None:
+    tree = make_tree(tmp_path / "tree")
+    assert tree.files == 150
+    assert abs(tree.total_bytes - 1_500_000) < 5_000
+    before = tree.edit_target.read_text()
+    size = edit_one_file(tree, "x")
+    assert size == tree.edit_target.stat().st_size and size > len(before)
+    status = subprocess.run(["git", "-C", str(tree.root), "status", "--porcelain"],
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    assert [line for line in status if line] == [" M ajet/_bench_filler/mod_000.py"]
+    restore_tree(tree)
+    assert tree.edit_target.read_text() == before
+
+
+def test_budgets(ctx: BenchContext) -> None:
+    rows = {r.name: r for r in _run_module("budgets", ctx)}
+    imports = rows["import ajet + SwarmClient + AgentJetJob"]
+    assert "heavy modules imported: none" in imports.note  # the client never imports torch
+
+
+def test_sync(ctx: BenchContext) -> None:
+    rows = {r.name: r for r in _run_module("sync", ctx)}
+    # counts, not timings: an unchanged push is one request with no blob bytes
+    assert rows["sync unchanged push: HTTP requests"].median == 1
+    assert rows["sync unchanged push: blob bytes uploaded"].median == 0
+
+
+def test_mcp(ctx: BenchContext) -> None:
+    _run_module("mcp", ctx)
+
+
+@pytest.mark.slow
+def test_episodes(ctx: BenchContext) -> None:
+    _run_module("episodes", ctx)
+
+
+@pytest.mark.slow
+def test_restart(ctx: BenchContext) -> None:
+    _run_module("restart", ctx)
+
+
+@pytest.mark.slow
+def test_training(ctx: BenchContext) -> None:
+    _run_module("training", ctx)
+
+
+def test_cli_prints_one_table_writes_it_and_reports_a_failed_module(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fine(ctx: BenchContext) -> list[Row]:
+        return [Row("stub row", 2.0, "ms", "stub reference", 4.0, target="<= 3 ms",
+                    rerun="python -m bench --only fine", repetitions=ctx.reps, met=True)]
+
+    def broken(ctx: BenchContext) -> list[Row]:
+        raise RuntimeError("the engine did not boot")
+
+    monkeypatch.setitem(MODULES, "fine", fine)
+    monkeypatch.setitem(MODULES, "broken", broken)
+    out = tmp_path / "table.md"
+    assert main(["--reps", "5", "--only", "broken,fine", "--output", str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert out.read_text().strip() == printed.strip()
+    assert ("| stub row | 2 ms | 4 ms (stub reference) | 0.50x | <= 3 ms | yes | 5 "
+            "| `python -m bench --only fine` |") in printed
+    assert "**broken FAILED** (`python -m bench --only broken`): RuntimeError: the engine " \
+           "did not boot" in printed
+
+
+def test_cli_rejects_an_unknown_module() -> None:
+    result = subprocess.run([sys.executable, "-m", "bench", "--only", "nope"],
+                            capture_output=True, text=True, cwd=PROJECT_ROOT, check=False)
+    assert result.returncode == 2 and "unknown module(s) nope" in result.stderr

@@ -1,0 +1,129 @@
+"""Every route of the OpenAPI schema, walked with no token, a wrong token, the worker
+token and the control token; the refusals must match the access table below.
+
+The table is the specification: a route the server grows and this table does not name
+fails the walk, so nobody adds a route without deciding who may call it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+
+OPEN = "open"  # no token
+EPISODE_KEY = "episode key"  # the signed key from begin_episode, never a bearer token
+READER = "reader"  # worker or control token
+CONTROL = "control"  # control token only
+
+ACCESS: dict[tuple[str, str], str] = {
+    ("GET", "/health"): OPEN,
+    ("POST", "/v1/chat/completions"): EPISODE_KEY,
+    ("GET", "/version"): READER,
+    ("GET", "/get_engine_status"): READER,
+    ("GET", "/runs"): READER,
+    ("GET", "/runs/{run_id}"): READER,
+    ("GET", "/runs/{run_id}/metrics"): READER,
+    ("GET", "/runs/{run_id}/logs"): READER,
+    ("POST", "/begin_episode"): READER,
+    ("POST", "/end_episode"): READER,
+    ("POST", "/abort_episode"): READER,
+    ("GET", "/sync_train_config"): READER,
+    ("POST", "/sync_train_config"): CONTROL,
+    ("POST", "/start_engine"): CONTROL,
+    ("POST", "/stop_engine"): CONTROL,
+    ("POST", "/sync_train_code"): CONTROL,
+    ("POST", "/code/manifest"): CONTROL,
+    ("POST", "/code/blobs"): CONTROL,
+    ("POST", "/code/commit"): CONTROL,
+    ("GET", "/code"): CONTROL,
+    ("GET", "/code/snapshots"): CONTROL,
+    ("GET", "/code/snapshots/{snapshot_ref}"): CONTROL,
+    ("GET", "/code/blobs/{sha256}"): CONTROL,
+    ("POST", "/code/activate"): CONTROL,
+    ("POST", "/code/gc"): CONTROL,
+    ("GET", "/audit"): CONTROL,
+}
+#: Served outside the schema; a reader token opens them.
+DOC_ROUTES = [("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"),
+              ("GET", "/docs/oauth2-redirect")]
+BAD_CREDENTIALS: list[dict[str, str]] = [
+    {}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"},
+    {"Authorization": "Bearer"}, {"Authorization": f"Bearer {CONTROL_TOKEN}x"},
+    {"Authorization": f"bearer {WORKER_TOKEN[:-1]}"},
+]
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    handle = start_server(tmp_path_factory.mktemp("walk") / "swarm",
+                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
+                               "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
+    yield handle
+    handle.stop()
+
+
+def schema_routes(url: str) -> list[tuple[str, str]]:
+    schema = httpx.get(f"{url}/openapi.json", headers=bearer(CONTROL_TOKEN), timeout=30).json()
+    return [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
+
+
+def concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "0" * 64, path)
+
+
+def test_the_access_table_names_every_route(srv: ServerHandle) -> None:
+    routes = schema_routes(srv.url)
+    assert set(routes) == set(ACCESS), "classify new routes in ACCESS (and docs/security.md)"
+
+
+def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHandle) -> None:
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for (method, path), access in [*ACCESS.items(), *((r, READER) for r in DOC_ROUTES)]:
+            url = concrete(path)
+            # a body that is not JSON: refusals must come before any parsing
+            body = b"{not json" if method == "POST" else None
+            for headers in BAD_CREDENTIALS:
+                r = http.request(method, url, headers=headers, content=body)
+                if access == OPEN:
+                    assert r.status_code == 200, (method, path, r.text)
+                    continue
+                assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
+                assert r.json()["hint"] and r.headers["www-authenticate"] == "Bearer"
+            worker = http.request(method, url, headers=bearer(WORKER_TOKEN), content=body)
+            control = http.request(method, url, headers=bearer(CONTROL_TOKEN), content=body)
+            if access == CONTROL:
+                assert worker.status_code == 403, (method, path, worker.text)
+                assert "control token" in worker.json()["detail"]
+            if access == EPISODE_KEY:  # a bearer token is not an episode key
+                assert worker.status_code == control.status_code == 401, (path, worker.text)
+                continue
+            if access == READER:
+                assert worker.status_code not in (401, 403), (method, path, worker.text)
+            assert control.status_code not in (401, 403), (method, path, control.text)
+            for answer in (worker, control):
+                assert answer.status_code < 500, (method, path, answer.text)
+
+
+def test_a_server_with_only_a_control_token_refuses_everything_else(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    handle = start_server(tmp_path_factory.mktemp("ctl-only") / "swarm",
+                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN})
+    try:
+        with httpx.Client(base_url=handle.url, timeout=30) as http:
+            for (method, path), access in ACCESS.items():
+                if access in (OPEN, EPISODE_KEY):
+                    continue
+                r = http.request(method, concrete(path), headers=bearer(WORKER_TOKEN))
+                assert r.status_code == 401, (method, path, r.text)
+            assert http.get("/get_engine_status", headers=bearer(CONTROL_TOKEN)).status_code == 200
+    finally:
+        handle.stop()

@@ -1,0 +1,187 @@
+"""swarm_server.limits against a real server: auth before the body, size, depth, header
+and idle caps on every input, the upload routes streaming under their own caps.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from swarm_server.limits import json_too_deep
+from tests.hostile import blob_record
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+
+MAX_JSON = 4096
+MAX_DEPTH = 8
+MAX_HEADERS = 8192
+BODY_TIMEOUT_S = 1.0
+CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    handle = start_server(tmp_path_factory.mktemp("limits") / "swarm", env={
+        "AJET_SWARM_TOKEN": CONTROL_TOKEN, "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN,
+        "AJET_SWARM_MAX_JSON_BYTES": str(MAX_JSON),
+        "AJET_SWARM_MAX_JSON_DEPTH": str(MAX_DEPTH),
+        "AJET_SWARM_MAX_HEADER_BYTES": str(MAX_HEADERS),
+        "AJET_SWARM_REQUEST_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+    })
+    yield handle
+    handle.stop()
+
+
+def post_routes(url: str) -> list[str]:
+    schema = httpx.get(f"{url}/openapi.json", headers=CTL).json()
+    return [p for p, ops in schema["paths"].items() if "post" in ops]
+
+
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+# ---------------------------------------------------------------------------- auth first
+
+
+def test_auth_is_checked_before_the_body_is_parsed(srv: ServerHandle) -> None:
+    routes = post_routes(srv.url)
+    assert {"/sync_train_config", "/end_episode", "/code/commit"} <= set(routes)
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for path in routes:
+            if path == "/v1/chat/completions":
+                continue  # episode key, checked in the route (tests/security/test_episode_keys)
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                r = http.post(path, content=b"{not json", headers={
+                    **headers, "Content-Type": "application/json"})
+                assert r.status_code == 401, (path, r.text)
+                assert r.headers["www-authenticate"] == "Bearer" and r.json()["hint"]
+        # the worker token on a control route: 403, also before the body is parsed
+        r = http.post("/sync_train_config", content=b"{not json", headers=WRK)
+        assert r.status_code == 403 and "control token" in r.json()["detail"]
+        # with the right token the same body reaches the parser
+        r = http.post("/sync_train_config", content=b"{not json",
+                      headers={**CTL, "Content-Type": "application/json"})
+        assert r.status_code == 422
+
+
+def test_docs_and_schema_need_a_token_health_does_not(srv: ServerHandle) -> None:
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
+                     "/no/such/route"):
+            assert http.get(path).status_code == 401, path
+            assert http.get(path, headers={"Authorization": "Bearer x"}).status_code == 401
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert http.get(path, headers=WRK).status_code == 200, path
+        assert http.get("/no/such/route", headers=WRK).status_code == 404
+        assert http.get("/health").status_code == 200
+
+
+# ---------------------------------------------------------------------------- body size
+
+
+def test_json_body_over_the_cap_is_413_declared_or_streamed(srv: ServerHandle) -> None:
+    too_big = json.dumps({"yaml": "x" * MAX_JSON}).encode()
+    with httpx.Client(base_url=srv.url, headers=CTL, timeout=30) as http:
+        declared = http.post("/sync_train_config", content=too_big)
+        assert declared.status_code == 413, declared.text
+        assert "AJET_SWARM_MAX_JSON_BYTES" in declared.json()["hint"]
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: chunked transfer
+            for i in range(0, len(too_big), 1000):
+                yield too_big[i:i + 1000]
+
+        streamed = http.post("/sync_train_config", content=chunks())
+        assert streamed.status_code == 413, streamed.text
+        # just under the cap reaches the route (a YAML that is not a job: 422)
+        fits = json.dumps({"yaml": "x" * (MAX_JSON - 100)}).encode()
+        assert len(fits) <= MAX_JSON
+        assert http.post("/sync_train_config", content=fits).status_code == 422
+
+
+def test_upload_routes_stream_past_the_json_cap(srv: ServerHandle) -> None:
+    data = b"# a module bigger than a JSON body may be\n" * (3 * MAX_JSON // 40)
+    body = blob_record(data)
+    assert len(body) > 2 * MAX_JSON
+    r = httpx.post(f"{srv.url}/code/blobs", content=body, headers=CTL, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes_received"] == len(body)
+
+
+# ---------------------------------------------------------------------------- depth
+
+
+def test_json_nested_past_the_depth_cap_is_400(srv: ServerHandle) -> None:
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        deep = {"episode_uuid": "e", "task_id": "t", "reward": 1.0,
+                "metadata": nested(MAX_DEPTH)}  # MAX_DEPTH + 1 levels with the outer object
+        r = http.post("/end_episode", json=deep, headers=WRK)
+        assert r.status_code == 400 and "deeper than 8" in r.json()["detail"], r.text
+        ok = {**deep, "metadata": nested(MAX_DEPTH - 1)}
+        assert http.post("/end_episode", json=ok, headers=WRK).status_code == 404  # unknown
+        # the open chat route is capped too, before its key is even looked at
+        chat = http.post("/v1/chat/completions", json={"messages": [nested(MAX_DEPTH)]})
+        assert chat.status_code == 400
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet="[]{}\"\\ab,:"),
+                    lambda inner: st.lists(inner, max_size=3)
+                    | st.dictionaries(st.text(alphabet="[]{}\"ab", max_size=3), inner, max_size=3),
+                    max_leaves=30),
+       st.integers(min_value=1, max_value=6))
+def test_json_depth_check_agrees_with_a_parser(value: Any, limit: int) -> None:
+    def depth(v: Any) -> int:
+        if isinstance(v, list):
+            return 1 + max((depth(x) for x in v), default=0)
+        if isinstance(v, dict):
+            return 1 + max((depth(x) for x in v.values()), default=0)
+        return 0
+
+    for text in (json.dumps(value), json.dumps(value, indent=1, ensure_ascii=False)):
+        assert json_too_deep(text.encode(), limit) == (depth(value) > limit), text
+
+
+# ---------------------------------------------------------------------------- headers, idle
+
+
+def test_oversized_headers_are_refused(srv: ServerHandle) -> None:
+    r = httpx.get(f"{srv.url}/get_engine_status", timeout=30,
+                  headers={**WRK, **{f"X-Pad-{i}": "p" * 900 for i in range(10)}})
+    assert r.status_code in (400, 431), r.text  # middleware 431, or uvicorn's parser first
+    assert httpx.get(f"{srv.url}/get_engine_status", headers=WRK).status_code == 200
+
+
+def _stall(port: int, path: str, token: str) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"a\":".encode())
+        s.settimeout(BODY_TIMEOUT_S + 20)
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+        return reply
+
+
+def test_a_stalled_body_is_dropped(srv: ServerHandle) -> None:
+    reply = _stall(srv.port, "/sync_train_config", CONTROL_TOKEN)
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    # an upload route: the stall reads as an interrupted upload, its temp files go
+    reply = _stall(srv.port, "/code/blobs", CONTROL_TOKEN)
+    assert reply.startswith(b"HTTP/1.1 400") and b"interrupted" in reply, reply[:300]
+    incoming = Path(srv.workdir) / ".ajet_incoming"
+    assert not incoming.exists() or not any(incoming.iterdir())
