@@ -14,6 +14,9 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
   the engine runs the active snapshot's code. Any exit ends in OFFLINE with the run
   finalised; an exit nobody asked for also sets `last_error` with the log tail.
 - Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
+- A single-process start takes the warm standby when one is ready: an interpreter with
+  torch and transformers imported that becomes the engine (`standby_keeper`); the
+  next one is started once a config is accepted, and once an engine serves or ends.
 - `recover()` at server start stops engines a killed server left behind (by pid and
   start time) and closes their runs.
 
@@ -51,6 +54,7 @@ from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_files import read_log_lines, read_metrics, summarize
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.standby_keeper import StandbyKeeper
 from swarm_server.supervisor import (
     EngineProbe,
     PosixSpawner,
@@ -156,6 +160,10 @@ class EngineController:
         self.snapshots = snapshots
         self.spawner: Spawner = spawner or PosixSpawner()
         self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
+        # The warm standby for the next start (real processes only). Built even with
+        # settings.warm_standby off, so that recover() stops one an earlier server left.
+        self._standby: StandbyKeeper | None = (
+            StandbyKeeper(settings, ledger, self.spawner) if spawner is None else None)
         self._lock = threading.RLock()  # guards the fields below; held only briefly
         self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
         self._state = EngineState.OFFLINE
@@ -268,6 +276,7 @@ class EngineController:
                                "experiment_name": checked.experiment_name})
         log.info("config accepted: experiment %s, hash %s", checked.experiment_name,
                  checked.config_hash[:12])
+        self._replenish_standby()  # a start is likely to follow
         return ConfigAccepted(config_hash=checked.config_hash,
                               experiment_name=checked.experiment_name, config=checked.config)
 
@@ -383,9 +392,15 @@ class EngineController:
         if self.ledger.get_meta(LAST_CONFIG_KEY):
             log.info("restored the last training config (experiment %s)",
                      self._experiment_name(self.ledger.get_meta(LAST_CONFIG_KEY) or ""))
+        if self._standby is not None:  # after the runs: a standby-born engine is a run's
+            self._standby.recover()
+            if self.ledger.get_meta(LAST_CONFIG_KEY):  # else nothing can start before a config
+                self._standby.ensure()
 
     def shutdown(self) -> None:
         """Stop the engine: the server never leaves an orphan behind on a clean exit."""
+        if self._standby is not None:
+            self._standby.close()  # first, so the engine's end does not start another
         with self._lifecycle:
             result = self._stop_locked("server shutdown")
         if result.stopped:
@@ -436,15 +451,18 @@ class EngineController:
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),
                 cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
             )
-            handle = self.spawner.start(spec)
+            handle = self._standby.take(spec) if self._standby is not None else None
+            warm = handle is not None
+            if handle is None:
+                handle = self.spawner.start(spec)
         except OSError as exc:
             self._finish(run, exit_code=None, spawn_error=f"could not start the engine: {exc}")
             return run_id
         with self._lock:
             run.handle = handle
         self.ledger.update_run(run_id, pid=handle.pid, pid_start_time=handle.start_time)
-        log.info("engine run %s started: pid %s, snapshot %s", run_id, handle.pid,
-                 self.snapshots.active_id())
+        log.info("engine run %s started: pid %s, snapshot %s%s", run_id, handle.pid,
+                 self.snapshots.active_id(), " (warm standby)" if warm else "")
         threading.Thread(target=self._watch_exit, args=(run, handle), daemon=True,
                          name=f"engine-exit-{run_id}").start()
         threading.Thread(target=self._poll_status, args=(run, handle, run.socket_path),
@@ -521,6 +539,7 @@ class EngineController:
             self._fail(run, handle, problem)
         elif became_running:
             self.ledger.update_run(run.run_id, status="running", last_step=report.step)
+            self._replenish_standby()  # now, not while the engine boots: 2 cores are few
 
     def _code_problem(self, run: _Run, report: EngineReport) -> str | None:
         """Why the engine does not run the active snapshot's code, or None if it does."""
@@ -583,6 +602,11 @@ class EngineController:
         if run.socket_tmpdir is not None:
             shutil.rmtree(run.socket_tmpdir, ignore_errors=True)
         run.done.set()
+        self._replenish_standby()
+
+    def _replenish_standby(self) -> None:
+        if self._standby is not None:
+            self._standby.ensure()
 
     def _experiment_name(self, yaml_text: str) -> str:
         cached_text, cached_name = self._config_cache

@@ -7,15 +7,26 @@ bind without a control token). Limits are documented in `docs/limits.md`.
 from __future__ import annotations
 
 import ipaddress
+import re
 import sys
 from pathlib import Path
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["Settings", "is_loopback"]
 
 MiB = 1024 * 1024
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+#: What the engine imports from third parties to load and serve a Qwen2-style policy
+#: (the warm standby's default preload; ajet itself always comes from the snapshot).
+STANDBY_PRELOAD = (
+    "torch", "numpy", "safetensors", "tokenizers", "transformers",
+    "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
+    "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2.tokenization_qwen2",
+    "yaml", "pydantic", "httpx", "fastapi", "uvicorn",
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -52,6 +63,17 @@ class Settings(BaseSettings):
     stop_grace_s: float = Field(default=10.0, ge=0)
     status_poll_s: float = Field(default=0.1, gt=0)
     config_validate_timeout_s: float = Field(default=60.0, gt=0)
+    warm_standby: bool = Field(
+        default=True,
+        description="AJET_SWARM_WARM_STANDBY: keep one engine interpreter with "
+                    "standby_preload imported, ready for the next single-process start "
+                    "(swarm_server/standby_keeper.py; about 350 MB idle RSS, docs/limits.md)",
+    )
+    standby_preload: list[str] = Field(
+        default_factory=lambda: list(STANDBY_PRELOAD),
+        description="AJET_SWARM_STANDBY_PRELOAD (a JSON list): third-party modules the warm "
+                    "standby imports ahead of time; never ajet, which comes from the snapshot",
+    )
 
     # code snapshots
     keep_snapshots: int = Field(default=10, ge=1)
@@ -73,6 +95,17 @@ class Settings(BaseSettings):
 
     # episodes
     episode_key_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+
+    @field_validator("standby_preload")
+    @classmethod
+    def _preload_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _MODULE_NAME.fullmatch(name):
+                raise ValueError(f"standby_preload: {name!r} is not a module name")
+            if name.split(".")[0] == "ajet":
+                raise ValueError(f"standby_preload: {name!r} must not be preloaded; ajet is "
+                                 "imported from the active snapshot at each start")
+        return names
 
     @model_validator(mode="after")
     def _refuse_open_public_bind(self) -> Settings:

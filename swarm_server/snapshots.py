@@ -4,9 +4,12 @@ Layout under the server's workdir::
 
     ajet_temp/<YYYYmmdd_HHMMSS_ffffff>/ajet/...   one snapshot (immutable, precompiled)
     ajet_temp/<timestamp>.partial/                being written, or being deleted
-    ajet_blobs/<sha[:2]>/<sha256>                 one verified file content per hash
-    ajet_pyc/<cache tag>/<sha256>.pyc             bytecode per source content (a cache)
-    .ajet_incoming/<random>/                      temp files of uploads in progress
+    ajet_temp/.blobs/<sha[:2]>/<sha256>           one verified file content per hash
+    ajet_temp/.pyc/<cache tag>/<sha256>.pyc       bytecode per source content (a cache)
+    ajet_temp/.incoming/<random>/                 temp files of uploads in progress
+
+Everything code sync writes stays under `ajet_temp/` (the three dot-folders are made
+at start), so an upload, refused or not, never writes anywhere else on the server.
 
 A snapshot is materialised from blobs (each re-hashed as it is copied) into
 `<timestamp>.partial/ajet`, compiled to bytecode by the engine's interpreter, and only
@@ -87,15 +90,15 @@ class SnapshotStore:
 
     @property
     def blobs_dir(self) -> Path:
-        return self.workdir / "ajet_blobs"
+        return self.snapshots_dir / ".blobs"
 
     @property
     def pyc_dir(self) -> Path:
-        return self.workdir / "ajet_pyc"
+        return self.snapshots_dir / ".pyc"
 
     @property
     def incoming_dir(self) -> Path:
-        return self.workdir / ".ajet_incoming"
+        return self.snapshots_dir / ".incoming"
 
     def blob_path(self, sha256: str) -> Path:
         return self.blobs_dir / sha256[:2] / sha256
@@ -114,6 +117,8 @@ class SnapshotStore:
                     log.warning("removing interrupted snapshot folder %s", partial)
                     shutil.rmtree(partial, ignore_errors=True)
             shutil.rmtree(self.incoming_dir, ignore_errors=True)
+            for folder in (self.incoming_dir, self.blobs_dir, self.pyc_dir):
+                folder.mkdir(parents=True, exist_ok=True)
             for rec in self.ledger.list_snapshots():
                 if not self.folder(rec).is_dir():
                     log.warning("snapshot %s: folder %s is gone; dropping its record",
@@ -236,6 +241,16 @@ class SnapshotStore:
             os.replace(blob.path, dest)
             added.append(blob.sha256)
         return added
+
+    def discard_blobs(self, hashes: Sequence[str]) -> None:
+        """Remove blobs just adopted for a refused upload, and a shard folder it emptied."""
+        for sha in hashes:
+            path = self.blob_path(sha)
+            path.unlink(missing_ok=True)
+            try:
+                path.parent.rmdir()
+            except OSError:
+                pass  # other blobs share the shard
 
     @contextmanager
     def held(self) -> Iterator[None]:
@@ -409,7 +424,7 @@ class SnapshotStore:
         """Bytecode for every `.py` of the snapshot at `root`; refuse a syntax error (422).
 
         Bytecode is made by the engine's interpreter, hash-based and unchecked (snapshots
-        never change), and cached per source sha256 under `ajet_pyc/<cache tag>/`: a
+        never change), and cached per source sha256 under `ajet_temp/.pyc/<cache tag>/`: a
         one-file edit compiles one file. `-s/-p` make messages name the final folder, not
         the `.partial` one (the import system fixes `co_filename` at load anyway).
         Returns how many files were compiled now.

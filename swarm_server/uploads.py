@@ -13,8 +13,8 @@ decimal>\\n` followed by exactly `size` raw bytes. Each blob is hashed while it 
 written to a temp file and refused (400) if its bytes do not match its sha256; the
 whole request is refused if the body ends inside a record.
 
-Temp files live under `<workdir>/.ajet_incoming/` (never in `ajet_temp/`) and are removed
-when the request ends, accepted or not.
+Temp files live under `ajet_temp/.incoming/` (a folder made at start, holding nothing
+between requests) and are removed when the request ends, accepted or not.
 """
 
 from __future__ import annotations

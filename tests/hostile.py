@@ -132,8 +132,10 @@ def tree_repo(root: Path, n_files: int, file_bytes: int = 64) -> Path:
 
 
 def snapshot_dirs(workdir: Path) -> list[str]:
+    """Snapshot folders (and `.partial` ones) under ajet_temp/, not the store's dot-folders."""
     root = workdir / "ajet_temp"
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) \
+        if root.is_dir() else []
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -151,6 +153,12 @@ def tree_digest(root: Path) -> dict[str, str]:
     return out
 
 
+def snapshot_folders_state(workdir: Path) -> dict[str, str]:
+    """The snapshot folders under ajet_temp/ byte for byte, without the store's caches."""
+    return {k: v for k, v in tree_digest(workdir / "ajet_temp").items()
+            if not k.startswith((".blobs", ".pyc"))}
+
+
 def store_state(workdir: Path) -> tuple[dict[str, str], dict[str, str]]:
     """Snapshot folders and blob store of a server's workdir, byte for byte."""
-    return tree_digest(workdir / "ajet_temp"), tree_digest(workdir / "ajet_blobs")
+    return snapshot_folders_state(workdir), tree_digest(workdir / "ajet_temp" / ".blobs")

@@ -66,6 +66,9 @@ def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: i
     port = port or free_port()
     child_env = {k: v for k, v in os.environ.items()
                  if not k.startswith("AJET_SWARM_")}
+    # A warm standby costs each server ~4 s of CPU (importing torch) and ~350 MB; tests
+    # that want one pass AJET_SWARM_WARM_STANDBY=1 (tests/swarm_server/test_standby.py).
+    child_env["AJET_SWARM_WARM_STANDBY"] = "0"
     child_env.update(env or {})
     log_path = workdir / f"server-{port}.log"
     with open(log_path, "ab") as log_file:

@@ -316,9 +316,15 @@ def _sync_zip(ctx: ServerContext, body: Path, staging: Path, *, force_restart: b
         _require_offline_or_restart(ctx, force_restart)
     t1 = time.perf_counter()
     unique = {m.sha256: StagedBlob(m.sha256, m.size, m.staged) for m in members}
-    store.adopt_blobs(list(unique.values()))
+    added = store.adopt_blobs(list(unique.values()))
     provenance = Provenance(host=host, created_at=time.time(), source="zip")
-    rec, reused, timings = store.materialise(entries, provenance)
+    try:
+        rec, reused, timings = store.materialise(entries, provenance)
+    except BaseException:
+        # A refused zip (code that does not compile, a full disk) leaves the blob store
+        # as it found it; nothing but its own blobs were added.
+        store.discard_blobs(added)
+        raise
     result = _activate(ctx, rec, force_restart=force_restart, role=role, reused=reused,
                        timings={"extract_s": round(t1 - t0, 4), **timings})
     result.files = len(members)

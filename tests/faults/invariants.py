@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from ajet.protocol import EngineState, EngineStatus
+from tests.hostile import snapshot_dirs
 from tests.support import process_alive
 
 __all__ = ["assert_consistent", "assert_no_orphans", "assert_store_whole", "wait_gone",
@@ -53,9 +54,9 @@ def assert_no_orphans(pids: Iterable[int]) -> None:
 def assert_store_whole(url: str, workdir: Path, headers: dict[str, str] | None = None) -> None:
     """No half-written snapshot, no upload leftovers; folders and ledger rows agree."""
     temp = workdir / "ajet_temp"
-    folders = {p.name for p in temp.iterdir()} if temp.is_dir() else set()
+    folders = set(snapshot_dirs(workdir))
     assert not [f for f in folders if f.endswith(".partial")], folders
-    incoming = workdir / ".ajet_incoming"
+    incoming = workdir / "ajet_temp" / ".incoming"
     assert not incoming.exists() or not any(incoming.iterdir()), list(incoming.iterdir())
     page = httpx.get(f"{url}/code/snapshots", headers=headers, timeout=30).json()
     rows = {Path(s["path"]).parent.name for s in page["snapshots"]}

@@ -29,7 +29,7 @@ from ajet.errors import SwarmError
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import FileEntry
 from tests.faults.invariants import assert_consistent, assert_store_whole
-from tests.hostile import HOSTILE_LIMITS, blob_record, store_state, tree_repo
+from tests.hostile import HOSTILE_LIMITS, blob_record, snapshot_dirs, store_state, tree_repo
 from tests.support import ServerHandle, start_server
 from tests.swarm_server.fake_engine import server_env
 
@@ -55,7 +55,7 @@ def wait_for(predicate: object, what: str, timeout: float = 60.0) -> None:
 
 
 def incoming_files(workdir: Path, name: str) -> list[Path]:
-    incoming = workdir / ".ajet_incoming"
+    incoming = workdir / "ajet_temp" / ".incoming"
     return [p for p in incoming.rglob(name) if p.stat().st_size > 0] if incoming.is_dir() else []
 
 
@@ -187,7 +187,7 @@ def test_unpacked_cap_reached_while_materialising_a_lying_manifest(tmp_path: Pat
         assert response.status_code == 400, response.text
         assert "differs from the uploaded content" in response.json()["detail"]
         assert store_state(workdir) == before
-        assert not (workdir / "ajet_temp").exists() or not any((workdir / "ajet_temp").iterdir())
+        assert snapshot_dirs(workdir) == []
         assert_consistent(server.url, workdir)
     finally:
         server.stop()
@@ -195,7 +195,7 @@ def test_unpacked_cap_reached_while_materialising_a_lying_manifest(tmp_path: Pat
 
 def test_disk_filling_up_during_an_upload_is_507_and_leaves_nothing(tmp_path: Path) -> None:
     workdir = tmp_path / "swarm"
-    incoming = workdir / ".ajet_incoming"
+    incoming = workdir / "ajet_temp" / ".incoming"
     incoming.mkdir(parents=True)
     mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(incoming)],
                            capture_output=True, text=True)

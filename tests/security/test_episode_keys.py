@@ -125,7 +125,7 @@ def refused(response: httpx.Response) -> bool:
 
 def test_forged_keys_are_refused(srv: ServerHandle, worker: SwarmClient) -> None:
     a, b = begin(worker), begin(worker)
-    for key in ("", "ajep_", "ajep_e30.AAAA", "sk-" + "a" * 40, WORKER_TOKEN, CONTROL_TOKEN,
+    for key in ("ajep_.", "ajep_", "ajep_e30.AAAA", "sk-" + "a" * 40, WORKER_TOKEN, CONTROL_TOKEN,
                 a.openai_api_key[:-1] + ("A" if a.openai_api_key[-1] != "A" else "B"),
                 # b's payload under a's signature: "use a's key for episode b"
                 b.openai_api_key.split(".")[0] + "." + a.openai_api_key.split(".")[1],

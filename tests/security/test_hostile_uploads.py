@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from ajet.client import SwarmClient
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import FileEntry
-from tests.hostile import HOSTILE_LIMITS, blob_record, tree_digest, tree_repo
+from tests.hostile import HOSTILE_LIMITS, blob_record, make_zip, tree_digest, tree_repo
 from tests.security.strategies import hostile_blob_streams, hostile_manifests, hostile_zips
 from tests.support import CONTROL_TOKEN, ServerHandle, start_server
 
@@ -31,7 +31,7 @@ STORED = [b"alpha = 1\n", b"beta = 2\n" * 50, b""]
 #: Files of the workdir that legitimately change on every request (audit log, logs).
 _MUTABLE = ("swarm.sqlite3", "server-")
 
-HYPOTHESIS = settings(max_examples=60, deadline=None, database=None, derandomize=True,
+HYPOTHESIS = settings(max_examples=100, deadline=None, database=None, derandomize=True,
                       suppress_health_check=[HealthCheck.too_slow,
                                              HealthCheck.function_scoped_fixture])
 
@@ -50,7 +50,8 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
 
 
 def workdir_state(workdir: Path) -> dict[str, str]:
-    """Every file of the workdir (snapshots, blobs, bytecode, temp files) byte for byte."""
+    """Every file and folder of the workdir (snapshots, blobs, bytecode, temp files) byte
+    for byte, but the ledger and logs."""
     return {k: v for k, v in tree_digest(workdir).items() if not k.startswith(_MUTABLE)}
 
 
@@ -97,7 +98,8 @@ def _snapshot_id(files: list[dict[str, Any]]) -> str:
 @HYPOTHESIS
 @given(case=hostile_manifests(stored=STORED), force_restart=st.booleans())
 def test_generated_hostile_manifest_commit_is_refused_and_changes_nothing(
-        srv: ServerHandle, http: httpx.Client, case: tuple[str, list[dict[str, Any]]], force_restart: bool) -> None:
+        srv: ServerHandle, http: httpx.Client, case: tuple[str, list[dict[str, Any]]],
+        force_restart: bool) -> None:
     attack, files = case
     before, ids = workdir_state(srv.workdir), snapshot_ids(http)
     response = http.post("/code/commit", json={
@@ -146,3 +148,14 @@ def test_a_manifest_that_lies_about_sizes_cannot_pass_the_unpacked_cap(
                          json={"files": files, "snapshot_id": _snapshot_id(files)})
     assert_refused_and_untouched(srv, http, response, before, ids, "lying sizes")
     assert "differs from the uploaded content" in response.json()["detail"]
+
+
+def test_a_zip_of_code_that_does_not_compile_adds_no_blob(srv: ServerHandle,
+                                                          http: httpx.Client) -> None:
+    data = make_zip([("ajet/__init__.py", b""), ("ajet/evil.py", b"def broken(:\n"),
+                     ("ajet/nul.py", b"x = 1\0\n")])
+    before, ids = workdir_state(srv.workdir), snapshot_ids(http)
+    response = http.post("/sync_train_code", content=data,
+                         headers={"Content-Type": "application/zip"})
+    assert response.status_code == 422, response.text
+    assert_refused_and_untouched(srv, http, response, before, ids, "does not compile")

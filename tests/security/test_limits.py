@@ -183,5 +183,5 @@ def test_a_stalled_body_is_dropped(srv: ServerHandle) -> None:
     # an upload route: the stall reads as an interrupted upload, its temp files go
     reply = _stall(srv.port, "/code/blobs", CONTROL_TOKEN)
     assert reply.startswith(b"HTTP/1.1 400") and b"interrupted" in reply, reply[:300]
-    incoming = Path(srv.workdir) / ".ajet_incoming"
+    incoming = Path(srv.workdir) / "ajet_temp" / ".incoming"
     assert not incoming.exists() or not any(incoming.iterdir())

@@ -122,3 +122,14 @@ def test_no_5xx_and_schema_conformance_with_the_engine_rolling(
     assert state(http) is EngineState.OFFLINE
     pids = started_pids(srv.workdir)
     assert pids and not any(process_alive(pid) for pid in pids)  # every restart reaped
+
+
+def test_what_the_fuzzer_found_stays_fixed(http: httpx.Client) -> None:
+    # a paging offset past SQLite's 64-bit integers was a 500
+    for path in ("/runs", "/audit"):
+        r = http.get(path, params={"offset": 2**63})
+        assert r.status_code == 422 and "offset" in r.text, (path, r.text)
+    # a body that is not UTF-8 was a 400 without a hint, on routes that did not document it
+    r = http.post("/stop_engine", content=b"\xff\xfe{",
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["hint"], r.text

@@ -37,6 +37,7 @@ from tests.hostile import (
     git,
     manifest_entry,
     snapshot_dirs,
+    snapshot_folders_state,
     tree_digest,
     tree_repo,
 )
@@ -197,7 +198,7 @@ def test_blob_lost_before_commit_is_uploaded_again(
     def call_then_lose_a_blob(method: str, path: str, **kwargs: object) -> object:
         answer = real_call(method, path, **kwargs)
         if path == "/code/blobs" and not lost:  # a GC elsewhere removes a fresh blob
-            (engine_server.workdir / "ajet_blobs" / victim[:2] / victim).unlink()
+            (engine_server.workdir / "ajet_temp" / ".blobs" / victim[:2] / victim).unlink()
             lost.append(victim)
         return answer
 
@@ -226,11 +227,13 @@ def test_syntax_error_is_refused_and_nothing_is_activated(
     repo = tree_repo(tmp_path / "repo", 3)
     good = client.sync_train_code_from_dir(repo)
     (repo / "ajet" / "m1" / "mod_1.py").write_text("def broken(:\n")
-    before = tree_digest(engine_server.workdir / "ajet_temp")
+    # the broken file's blob is uploaded (200) before the commit is refused; blobs and the
+    # bytecode cache are content-addressed caches, the snapshot folders must not change
+    before = snapshot_folders_state(engine_server.workdir)
     with pytest.raises(SwarmValidationError) as info:
         client.sync_train_code_from_dir(repo)
     assert info.value.status == 422 and '"ajet/m1/mod_1.py", line 1' in str(info.value.detail)
-    assert tree_digest(engine_server.workdir / "ajet_temp") == before
+    assert snapshot_folders_state(engine_server.workdir) == before
     assert client.get_active_code().snapshot_id == good.snapshot_id  # type: ignore[union-attr]
 
 
@@ -306,7 +309,7 @@ def test_gc_keeps_newest_active_and_run_used(
     assert client.get_blob(unique_blob[ids[1]]) == b"V = 1\n"
     # ... and goes once it is old enough
     old = time.time() - 2 * 3600
-    for blob in (engine_server.workdir / "ajet_blobs").rglob("*"):
+    for blob in (engine_server.workdir / "ajet_temp" / ".blobs").rglob("*"):
         if blob.is_file():
             os.utime(blob, (old, old))
     assert client.gc_snapshots(keep=1).removed_blobs == 1
@@ -317,7 +320,7 @@ def test_gc_keeps_newest_active_and_run_used(
             f"V = {ids.index(kept)}\n".encode()
     with pytest.raises(SwarmNotFound):
         client.activate_snapshot(ids[1])
-    cached = {p.name.split(".")[0] for p in (engine_server.workdir / "ajet_pyc").glob("*/*")}
+    cached = {p.name.split(".")[0] for p in (engine_server.workdir / "ajet_temp" / ".pyc").glob("*/*")}
     assert unique_blob[ids[1]] not in cached and unique_blob[ids[0]] in cached
     gc_entries = [e for e in client.get_audit().entries if e.action == "gc"]
     assert len(gc_entries) == 2 and gc_entries[0].detail["removed"] == [ids[1]]
@@ -338,13 +341,13 @@ def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerH
 
 
 def _state(handle: ServerHandle) -> tuple[dict[str, str], dict[str, str]]:
-    return (tree_digest(handle.workdir / "ajet_temp"), tree_digest(handle.workdir / "ajet_blobs"))
+    return (tree_digest(handle.workdir / "ajet_temp"), tree_digest(handle.workdir / "ajet_temp" / ".blobs"))
 
 
 def _assert_untouched(handle: ServerHandle, before: tuple[dict[str, str], dict[str, str]]
                       ) -> None:
     assert _state(handle) == before
-    incoming = handle.workdir / ".ajet_incoming"
+    incoming = handle.workdir / "ajet_temp" / ".incoming"
     assert not incoming.exists() or not any(incoming.iterdir())
 
 
@@ -456,7 +459,7 @@ def test_interrupted_upload_leaves_nothing(hostile_server: ServerHandle) -> None
                       + _blob_record(b"partial" * 100)[:300])
             time.sleep(0.2)
     deadline = time.monotonic() + 10
-    incoming = hostile_server.workdir / ".ajet_incoming"
+    incoming = hostile_server.workdir / "ajet_temp" / ".incoming"
     while time.monotonic() < deadline and incoming.exists() and any(incoming.iterdir()):
         time.sleep(0.05)
     _assert_untouched(hostile_server, before)
