@@ -1,6 +1,6 @@
 """A scripted research agent that closes the AgentJet loop through the MCP bridge only.
 
-    python examples/research_loop.py              # what `make demo` runs (about 2 minutes)
+    python examples/research_loop.py              # what `make demo` runs (under a minute)
     python examples/research_loop.py --steps 4 --plot /tmp/rewards.png --keep
 
 It plays the part an LLM agent plays in the real case, on one machine, with nothing
@@ -57,6 +57,7 @@ if str(PROJECT_ROOT) not in sys.path:  # runnable from a checkout without instal
     sys.path.insert(0, str(PROJECT_ROOT))
 
 from ajet.client import SwarmClient  # noqa: E402
+from ajet.protocol import EngineState  # noqa: E402
 
 WORKFLOW = "examples/digits_workflow.py:workflow"
 #: The task measure: share of digits in the reply, logged by the workflow itself, so it
@@ -263,9 +264,15 @@ class Agent:
         self.console.say(f"  start_rollouts: {rollouts['handle']}, {rollouts['n_workers']} "
                          f"worker(s), {rollouts['tasks']} tasks x {rollouts['num_repeat']}")
         t0 = last_progress = time.monotonic()
+        engine_ended = False
         try:
             while len(run.points) < steps:
+                if engine_ended:  # and the metrics read after it ended lack steps
+                    await self._raise_engine_died(run, steps)
                 await anyio.sleep(POLL_S)
+                # the engine's state first: metrics read after it went OFFLINE are complete
+                status = await self.call("engine_status")
+                engine_ended = status["engine_state"] == EngineState.OFFLINE.value
                 got = await self.call("read_metrics", run_id=run.run_id,
                                       metrics=["reward_mean", METRIC, "step_time_s"], last_n=5)
                 new = [p for p in got["recent"]
@@ -290,6 +297,15 @@ class Agent:
         self.console.say(f"  stop_rollouts, stop_engine: run {run.run_id} ended "
                          f"({stopped['engine_state']}); {steps} steps in {run.seconds:.0f} s")
         return run
+
+    async def _raise_engine_died(self, run: RunRecord, steps: int) -> None:
+        status = await self.call("engine_status")
+        error = status.get("last_error") or {}
+        logs = await self.call("read_logs", run_id=run.run_id, tail=20)
+        raise ToolFailed(
+            f"the engine of run {run.run_id} went OFFLINE after {len(run.points)} of {steps} "
+            f"steps: {error.get('reason', 'no reason recorded')}; engine log:\n"
+            + "\n".join(logs["lines"]))
 
     async def window_mean(self, run_id: str, last_n: int) -> float | None:
         got = await self.call("read_metrics", run_id=run_id, metrics=[METRIC], last_n=last_n)

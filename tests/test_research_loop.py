@@ -105,7 +105,8 @@ def test_demo_runs_the_whole_loop_and_leaves_nothing_running(tmp_path: Path) -> 
     assert patched["server_path"].startswith("ajet_temp/")
     snapshot_dir = workdir / "swarm" / patched["server_path"]
     assert "max(0.0, " in (snapshot_dir / "engine/advantages.py").read_text()
-    assert patched["ajet_file"] == str(snapshot_dir / "__init__.py")  # the engine ran it
+    # the engine imported ajet from that snapshot
+    assert Path(patched["ajet_file"]).resolve() == (snapshot_dir / "__init__.py").resolve()
     compared = {r["run_id"]: r for r in summary["compare"]["runs"]}
     assert set(compared) == {baseline["run_id"], patched["run_id"]}
     assert not summary["compare"]["same_code"]
