@@ -179,7 +179,7 @@ class RolloutRunner:
         while not self._stop.is_set() and self._quota_left():
             item = self._feed.next()
             episode = self._begin()
-            if episode is None:  # stopping
+            if episode is None:  # stopping, or the quota is full
                 self._feed.retry(item)
                 return
             try:
@@ -190,7 +190,9 @@ class RolloutRunner:
 
     def _begin(self) -> BeginEpisodeResponse | None:
         delay = 0.05
-        while not self._stop.is_set():
+        # the quota is checked here too: other workers may fill it while this one waits
+        # for ROLLING, and a run that ended (max_steps) never answers anything but 409
+        while not self._stop.is_set() and self._quota_left():
             try:
                 return self.client.begin_episode()
             except (EngineStateConflict, SwarmConnectionError) as exc:

@@ -20,7 +20,6 @@ import yaml
 
 from ajet.client import SERVING_STATES
 from ajet.copilot.job import default_job_values
-from ajet.errors import SwarmError
 from ajet.protocol import EngineState, EngineStatus, LastError, RunPublic
 from ajet.run_compare import RunComparison as Comparison
 from ajet.run_compare import compare_runs as compare

@@ -23,7 +23,7 @@ from swarm_server.errors import Unprocessable
 from swarm_server.settings import Settings
 from swarm_server.supervisor import snapshot_env
 
-__all__ = ["ValidatedConfig", "config_hash", "validate_job_yaml"]
+__all__ = ["ValidatedConfig", "config_hash", "is_inside", "validate_job_yaml"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
         ) from exc
 
     ajet_file = result.get("ajet_file")
-    if base_dir is not None and ajet_file and not _inside(Path(ajet_file), base_dir):
+    if base_dir is not None and ajet_file and not is_inside(Path(ajet_file), base_dir):
         log.warning("job validator ran from %s, not from the active snapshot %s", ajet_file,
                     base_dir)
     if not result["ok"]:
@@ -111,7 +111,8 @@ def _error(raw: Any) -> dict[str, Any]:
             "type": str(raw.get("type", "value_error"))}
 
 
-def _inside(path: Path, root: Path) -> bool:
+def is_inside(path: Path, root: Path) -> bool:
+    """True if `path` resolves to a place under `root` (an ajet file inside a snapshot)."""
     try:
         path.resolve().relative_to(root.resolve())
     except ValueError:

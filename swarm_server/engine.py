@@ -48,7 +48,7 @@ from ajet.protocol import (
     LastError,
     StopEngineResponse,
 )
-from swarm_server.config_check import config_hash, validate_job_yaml
+from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_files import read_log_lines, read_metrics, summarize
@@ -546,7 +546,7 @@ class EngineController:
         if run.snapshot_base is None:
             return None
         for path in [report.ajet_file, *report.ranks_ajet_files]:
-            if not _inside(Path(path), run.snapshot_base):
+            if not is_inside(Path(path), run.snapshot_base):
                 return (f"the engine imported ajet from {path}, not from the active snapshot "
                         f"{run.snapshot_base}; refusing to train on stale code")
         return None
@@ -650,13 +650,6 @@ def _describe_exit(code: int | None) -> str:
         return f"was killed by {name} (exit code {code})"
     return f"exited with code {code}"
 
-
-def _inside(path: Path, root: Path) -> bool:
-    try:
-        path.resolve().relative_to(root.resolve())
-    except ValueError:
-        return False
-    return True
 
 
 def _relative(path: Path, root: Path) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from ajet.protocol import EngineState, EngineStatus
+
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 CONTROL_TOKEN = "test-control-token"
@@ -104,6 +106,30 @@ def make_ajet_repo(root: Path, *, source: Path = PROJECT_ROOT / "ajet") -> Path:
     subprocess.run([*git, "-C", str(root), "add", "ajet"], check=True)
     subprocess.run([*git, "-C", str(root), "commit", "-q", "-m", "initial"], check=True)
     return root
+
+
+def wait_status(url: str, *states: EngineState, headers: dict[str, str] | None = None,
+                timeout: float = 60.0) -> EngineStatus:
+    """Poll `GET /get_engine_status` until the engine is in one of `states`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = EngineStatus.model_validate(
+            httpx.get(f"{url}/get_engine_status", headers=headers, timeout=30).json())
+        if status.state in states:
+            return status
+        if time.monotonic() > deadline:
+            raise AssertionError(f"engine still {status.state}, wanted {states}")
+        time.sleep(0.02)
+
+
+def wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    """True once process `pid` has exited (within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while process_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def process_alive(pid: int) -> bool:

@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,32 +17,10 @@ import httpx
 
 from ajet.protocol import EngineState, EngineStatus
 from tests.hostile import snapshot_dirs
-from tests.support import process_alive
+from tests.support import wait_gone, wait_status
 
 __all__ = ["assert_consistent", "assert_no_orphans", "assert_store_whole", "wait_gone",
            "wait_status"]
-
-
-def wait_status(url: str, *states: EngineState, headers: dict[str, str] | None = None,
-                timeout: float = 60.0) -> EngineStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = EngineStatus.model_validate(
-            httpx.get(f"{url}/get_engine_status", headers=headers, timeout=30).json())
-        if status.state in states:
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine still {status.state}, wanted {states}")
-        time.sleep(0.02)
-
-
-def wait_gone(pid: int, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def assert_no_orphans(pids: Iterable[int]) -> None:
@@ -53,7 +30,6 @@ def assert_no_orphans(pids: Iterable[int]) -> None:
 
 def assert_store_whole(url: str, workdir: Path, headers: dict[str, str] | None = None) -> None:
     """No half-written snapshot, no upload leftovers; folders and ledger rows agree."""
-    temp = workdir / "ajet_temp"
     folders = set(snapshot_dirs(workdir))
     assert not [f for f in folders if f.endswith(".partial")], folders
     incoming = workdir / "ajet_temp" / ".incoming"

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +29,8 @@ from tests.support import (
     free_port,
     process_alive,
     start_server,
+    wait_gone,
+    wait_status,
 )
 from tests.swarm_server.fake_engine import server_env, set_behaviour, started_pids
 
@@ -42,28 +43,6 @@ def srv(tmp_path: Path) -> Iterator[ServerHandle]:
     handle = start_server(tmp_path / "swarm", env=server_env())
     yield handle
     handle.stop()
-
-
-def wait_status(url: str, *states: EngineState, timeout: float = 30.0,
-                headers: dict[str, str] | None = None) -> EngineStatus:
-    deadline = time.monotonic() + timeout
-    while True:
-        status = EngineStatus.model_validate(
-            httpx.get(f"{url}/get_engine_status", headers=headers, timeout=10).json())
-        if status.state in states:
-            return status
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine still {status.state}, wanted {states}")
-        time.sleep(0.02)
-
-
-def wait_gone(pid: int, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def configure_and_start(url: str) -> EngineStatus:

@@ -30,7 +30,7 @@ from swarm_server.settings import Settings
 from swarm_server.standby import engine_sys_path, file_stamps, stale_modules
 from swarm_server.standby_keeper import STANDBY_META_KEY, StandbyKeeper
 from swarm_server.supervisor import PosixSpawner, SpawnSpec, snapshot_env
-from tests.support import ServerHandle, process_alive, start_server
+from tests.support import ServerHandle, process_alive, start_server, wait_gone
 from tests.swarm_server.fake_engine import server_env, set_behaviour
 
 #: What the fake engine imports from third parties: cheap to preload.
@@ -76,15 +76,6 @@ def group_members(pgid: int) -> list[int]:
         except (ProcessLookupError, psutil.Error):
             continue
     return found
-
-
-def wait_gone(pid: int, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while process_alive(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def patch_marker(repo: Path, relpath: str, marker: str) -> None:
