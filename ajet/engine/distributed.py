@@ -1,20 +1,22 @@
-"""Several engine processes under `torchrun`: who is rank 0, and the few collectives used.
+"""Several engine processes under `torchrun`: who is rank 0, DDP, and the few collectives.
 
 `torchrun --nproc_per_node=N -m ajet.engine ...` starts N copies of the engine; each
 finds its `RANK`, `WORLD_SIZE` and `LOCAL_RANK` in the environment. Rank 0 owns the
 episode plane (private channel, generation), the metrics line and the checkpoints;
 every rank holds a replica of the policy and trains on its share of each batch.
 
-The update needs four collectives, all behind `Dist`: broadcast a Python object from
-rank 0 (the step's batch, or "stop"), sum a few floats (metrics), sum gradients, and
+Gradients go through `torch.nn.parallel.DistributedDataParallel` (`Dist.data_parallel`;
+NCCL on GPUs, gloo on CPU). Its reduction is registered as a sum rather than DDP's
+default mean: each rank's loss is already its share of the whole batch's loss
+(normalised by the batch's token count), so the sum over the ranks is the gradient of
+the whole batch, exactly as in one process. Besides DDP the engine needs a few
+collectives, all behind `Dist`: broadcast a Python object from rank 0 (the step's batch,
+or "stop"), sum a few floats (metrics), the largest of one integer (the step's
+micro-batch count, so every rank runs as many backward passes as DDP expects), and
 gather one object per rank (each rank's `ajet.__file__`). With one process `Dist` does
-them locally without touching torch.distributed, so the single-process engine has no
-"am I distributed?" branches (the null object of nanochat's `DummyWandb`).
-
-Gradients are summed with one `all_reduce` per parameter after local accumulation
-rather than by wrapping the model in DistributedDataParallel: ranks get whole task
-groups, so their micro-batch counts differ from step to step, which DDP only supports
-through `Join`; the reduced gradient is the same. Backend: NCCL on GPUs, gloo on CPU.
+them locally without touching torch.distributed and never wraps the model in DDP, so
+the single-process engine has no "am I distributed?" branches and no DDP overhead (the
+null object of nanochat's `DummyWandb`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
+from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["Dist", "init_distributed", "start_orphan_watchdog"]
 
@@ -69,14 +72,34 @@ class Dist:
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
         return [float(v) for v in t.tolist()]
 
-    def sum_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Sum every parameter's gradient over the ranks (missing gradients count as 0)."""
+    def max_int(self, value: int, device: torch.device) -> int:
+        """The largest `value` over the ranks."""
         if not self.active:
-            return
-        for p in parameters:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            torch_dist.all_reduce(p.grad, op=torch_dist.ReduceOp.SUM)
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return int(t.item())
+
+    def data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
+        """`module` wrapped in DDP that sums gradients over the ranks; `module` itself alone.
+
+        Call it on every rank at the same point (the constructor broadcasts rank 0's
+        parameters and buffers). Train through the wrapper; generate and save through
+        `module`, which the wrapper shares (`ddp.module is module`).
+        """
+        if not self.active:
+            return module
+        on_gpu = next(module.parameters()).device.type == "cuda"
+        ddp = DistributedDataParallel(
+            module, device_ids=[self.local_rank] if on_gpu else None,
+            # a micro-batch may leave parameters unused (mixture-of-experts routing); their
+            # gradient then counts as 0 on that rank instead of DDP failing the next step
+            find_unused_parameters=True)
+        # DDP compares the hook's annotations with the real classes, and this module's
+        # are strings (postponed evaluation): register an unannotated lambda
+        ddp.register_comm_hook(state=None,
+                               hook=lambda state, bucket: _sum_gradients(state, bucket))
+        return ddp
 
     def sync_parameters(self, module: torch.nn.Module) -> None:
         """Make every replica start from rank 0's weights."""
@@ -95,6 +118,14 @@ class Dist:
     def close(self) -> None:
         if self.active and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
+
+
+def _sum_gradients(process_group: torch_dist.ProcessGroup | None,
+                   bucket: torch_dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: all-reduce a gradient bucket as a sum, not DDP's mean."""
+    work = torch_dist.all_reduce(bucket.buffer(), op=torch_dist.ReduceOp.SUM,
+                                 group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def init_distributed(*, on_gpu: bool) -> Dist:

@@ -6,14 +6,23 @@ equals one big batch), then the gradient norm is clipped to `max_grad_norm` and 
 steps. With `kl_coef > 0` a frozen copy of the initial policy is kept as reference.
 
 Nothing here knows about episodes, HTTP or files: it takes `TrainSample`s and returns
-`UpdateStats`. Under torchrun every rank calls `update` with the whole batch, trains on
-the task groups with `group % world_size == rank`, and the gradients and metric sums are
-added up over the ranks (`distributed.Dist`); every rank then takes the same optimizer
-step, so the replicas stay identical. With one process this is plain local training.
+`UpdateStats`. Under torchrun every rank calls `update` with the whole batch and trains
+on the task groups with `group % world_size == rank` through the policy wrapped in
+DistributedDataParallel (`Dist.data_parallel`), whose hook sums the gradients over the
+ranks in the last backward pass of the step; metric sums are added up the same way, and
+every rank then takes the same optimizer step, so the replicas stay identical.
+
+Whole groups make the ranks' micro-batch counts differ, while DDP needs every rank to
+run the same number of backward passes: the ranks agree on the largest count, and a
+rank with fewer runs zero-weight micro-batches (a real forward and backward of one
+sample, loss times 0) so its gradient hooks fire with nothing added. All backward
+passes but the last run under `no_sync`, so gradients are reduced once per step. With
+one process there is no wrapper and no padding: plain local training.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import time
@@ -71,6 +80,9 @@ class Learner:
             self.reference = copy.deepcopy(policy.model).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
+        # after the reference copy, so the copy carries no DDP hooks; generation and
+        # checkpoints keep using `policy.model`, which the wrapper shares
+        self.train_model: torch.nn.Module = self.dist.data_parallel(policy.model)
 
     def update(self, samples: Sequence[TrainSample]) -> UpdateStats:
         """Train on this rank's share of `samples` (the whole batch, same on every rank).
@@ -84,29 +96,38 @@ class Learner:
             return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, time.perf_counter() - start)
         dist = self.dist
         mine = [s for s in samples if s.group % dist.world_size == dist.rank]
-        model, cfg = self.policy.model, self.cfg
+        cfg = self.cfg
+        micro_batches = [mine[i:i + cfg.micro_batch_size]
+                         for i in range(0, len(mine), cfg.micro_batch_size)]
+        # every rank runs as many backward passes as the busiest one (DDP's hooks pair up)
+        n_micro = dist.max_int(len(micro_batches), self.policy.device)
         losses: list[float] = []
         kl_sum = entropy_sum = clipped = grad_norm = 0.0
         with self.policy.lock:
-            model.train()
+            self.train_model.train()
             try:
                 for epoch in range(cfg.ppo_epochs):
                     self.optimizer.zero_grad(set_to_none=True)
                     # local sums: loss (already / n_tokens), kl, entropy, clipped tokens
                     sums = [0.0, 0.0, 0.0, 0.0]
-                    for first in range(0, len(mine), cfg.micro_batch_size):
-                        micro = mine[first:first + cfg.micro_batch_size]
-                        terms, entropy = self._micro_batch(micro, n_tokens,
-                                                           with_entropy=epoch == 0)
-                        terms.loss.backward()
+                    for index in range(n_micro):
+                        real = index < len(micro_batches)
+                        # a rank short of micro-batches repeats the batch's first sample
+                        # with weight 0: its hooks fire, its gradient adds nothing
+                        micro = micro_batches[index] if real else samples[:1]
+                        with self._accumulating(last=index == n_micro - 1):
+                            terms, entropy = self._micro_batch(
+                                micro, n_tokens, with_entropy=real and epoch == 0)
+                            (terms.loss if real else terms.loss * 0.0).backward()
+                        if not real:
+                            continue
                         sums[0] += float(terms.loss.detach())
                         sums[1] += terms.kl_sum if self.reference is not None \
                             else terms.approx_kl_old_sum
                         sums[2] += entropy
                         sums[3] += terms.clipped_tokens
-                    # each rank's loss is its share of the batch loss: summing the
-                    # gradients over the ranks gives the gradient of the whole batch
-                    dist.sum_gradients(self.params)
+                    # each rank's loss is its share of the batch loss, and DDP summed the
+                    # gradients over the ranks: the gradient of the whole batch
                     sums = dist.sum_floats(sums, self.policy.device)
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
                                                                      cfg.max_grad_norm))
@@ -118,11 +139,17 @@ class Learner:
                     clipped = sums[3]
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                model.eval()
+                self.train_model.eval()
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
             samples=len(samples), seconds=time.perf_counter() - start)
+
+    def _accumulating(self, *, last: bool) -> contextlib.AbstractContextManager[object]:
+        """DDP's `no_sync` for every backward but the step's last (which reduces)."""
+        if last or self.train_model is self.policy.model:
+            return contextlib.nullcontext()
+        return self.train_model.no_sync()  # type: ignore[operator]
 
     def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int, *, with_entropy: bool
                      ) -> tuple[LossTerms, float]:
@@ -130,7 +157,7 @@ class Learner:
         prompts = [list(s.prompt_ids) for s in micro]
         responses = [list(s.response_ids) for s in micro]
         logprobs, mask, entropy = score_responses(
-            policy.model, prompts, responses, pad_id=policy.pad_id,
+            self.train_model, prompts, responses, pad_id=policy.pad_id,
             temperature=cfg.temperature, device=policy.device, with_entropy=with_entropy)
         width = mask.size(1)
         old = torch.zeros_like(logprobs)  # (B, R)

@@ -15,7 +15,9 @@ lets an update that has begun finish; the caller then writes the final checkpoin
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: they receive each step's batch from rank 0 and call the same
-`Learner.update` on their share, until rank 0 sends "stop".
+`Learner.update` on their share, until rank 0 sends "stop". The update is where the
+ranks meet inside a step (DDP's gradient sum, the metric sums), so every rank must call
+it for every batch, even one whose groups all went to other ranks.
 """
 
 from __future__ import annotations
