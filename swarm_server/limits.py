@@ -112,6 +112,9 @@ class _Disconnected(Exception):
     """The client went away before its body was complete: nobody to answer."""
 
 
+_PATH_CACHE_SIZE = 4096
+
+
 class LimitsMiddleware:
     """See the module docstring. `routes` are the app's routes (to find control routes)."""
 
@@ -120,6 +123,10 @@ class LimitsMiddleware:
         self.app = app
         self.settings = settings
         self._routes = routes
+        # (method, path) -> needs the control token; the route table never changes, and
+        # a linear scan of every route's regex costs more than the rest of this gate.
+        # Bounded, because paths with ids (`/runs/{id}`) are unbounded in number.
+        self._control_by_path: dict[tuple[str, str], bool] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -186,6 +193,16 @@ class LimitsMiddleware:
         return require_reader(self.settings, token)
 
     def _needs_control(self, scope: Scope) -> bool:
+        key = (scope.get("method", ""), scope["path"])
+        known = self._control_by_path.get(key)
+        if known is None:
+            known = self._route_needs_control(scope)
+            if len(self._control_by_path) >= _PATH_CACHE_SIZE:
+                self._control_by_path.clear()
+            self._control_by_path[key] = known
+        return known
+
+    def _route_needs_control(self, scope: Scope) -> bool:
         for route in self._routes:
             match, _ = route.matches(scope)
             if match is Match.NONE:
