@@ -13,12 +13,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from ajet.client import SwarmClient
+from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState, EngineStatus
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -94,6 +97,20 @@ def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: i
         time.sleep(0.05)
     handle.stop()
     raise RuntimeError(f"swarm server not healthy after {timeout}s:\n{handle.log()}")
+
+
+@contextmanager
+def rolling_server(workdir: Path, job: AgentJetJob, *, env: Mapping[str, str] | None = None,
+                   wait_timeout: float = 180.0) -> Iterator[ServerHandle]:
+    """A token-protected server whose real engine runs `job` and serves episodes."""
+    handle = start_server(workdir, env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
+                                        "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN, **(env or {})})
+    try:
+        with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
+            control.auto_sync_train_config_and_start_engine(job, wait_timeout=wait_timeout)
+        yield handle
+    finally:
+        handle.stop()
 
 
 def make_ajet_repo(root: Path, *, source: Path = PROJECT_ROOT / "ajet") -> Path:

@@ -27,7 +27,7 @@ from ajet.errors import EngineStateConflict
 from ajet.protocol import BeginEpisodeResponse, EngineState
 from ajet.rollout import RolloutRunner, WorkflowOutput
 from tests.faults.invariants import assert_consistent, wait_status
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server
 
 pytestmark = pytest.mark.slow
 
@@ -40,15 +40,10 @@ WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("training-faults") / "swarm", env={
-        "AJET_SWARM_TOKEN": CONTROL_TOKEN, "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN,
-        "AJET_SWARM_STATUS_POLL_S": "0.05", "AJET_SWARM_STOP_GRACE_S": "10"})
-    try:
-        with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
-            control.auto_sync_train_config_and_start_engine(JOB, wait_timeout=180)
+    env = {"AJET_SWARM_STATUS_POLL_S": "0.05", "AJET_SWARM_STOP_GRACE_S": "10"}
+    with rolling_server(tmp_path_factory.mktemp("training-faults") / "swarm", JOB,
+                        env=env) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def engine_report(srv: ServerHandle) -> dict[str, Any]:

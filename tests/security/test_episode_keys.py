@@ -19,7 +19,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict
 from ajet.protocol import BeginEpisodeResponse
 from swarm_server.episode_keys import KEY_PREFIX, EpisodeKeySigner, InvalidEpisodeKey
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server
 
 JOB = AgentJetJob(experiment_name="keys", batch_size=4, num_repeat=2, max_new_tokens=4,
                   episode_timeout_s=120.0)
@@ -85,14 +85,8 @@ def test_keys_of_another_server_another_episode_or_past_expiry_are_refused() -> 
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("keys") / "swarm", env={
-        "AJET_SWARM_TOKEN": CONTROL_TOKEN, "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
-    try:
-        with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
-            control.auto_sync_train_config_and_start_engine(JOB, wait_timeout=180)
+    with rolling_server(tmp_path_factory.mktemp("keys") / "swarm", JOB) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 @pytest.fixture

@@ -18,22 +18,15 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict, SwarmAuthError, SwarmNotFound
 from ajet.protocol import BeginEpisodeResponse
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server, start_server
 
 JOB = AgentJetJob(batch_size=1, num_repeat=2, max_new_tokens=8, episode_timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("swarm"),
-                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
-                               "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
-    try:
-        with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
-            control.auto_sync_train_config_and_start_engine(JOB, wait_timeout=120)
+    with rolling_server(tmp_path_factory.mktemp("swarm"), JOB, wait_timeout=120) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 @pytest.fixture
