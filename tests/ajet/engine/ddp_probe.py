@@ -20,7 +20,7 @@ import torch
 
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.config import engine_config_from_job
-from ajet.engine.distributed import init_distributed
+from ajet.engine.distributed import init_distributed, start_orphan_watchdog
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.policy import load_policy
 from ajet.engine.tiny import ensure_tiny_model
@@ -47,6 +47,8 @@ def batch(seed: int) -> list[TrainSample]:
 def main(workdir: Path, out: Path) -> None:
     torch.set_num_threads(1)
     dist = init_distributed(on_gpu=False)
+    if dist.world_size > 1:
+        start_orphan_watchdog()  # a timed-out torchrun must not leave a rank waiting
     policy = load_policy(ensure_tiny_model(workdir, seed=0), device="cpu", dtype="float32",
                          seed=0)
     job = AgentJetJob(lr=0.01, ppo_epochs=2, kl_coef=0.1)
