@@ -6,10 +6,12 @@ episode plane (private channel, generation), the metrics line and the checkpoint
 every rank holds a replica of the policy and trains on its share of each batch.
 
 Gradients go through `torch.nn.parallel.DistributedDataParallel` (`Dist.data_parallel`;
-NCCL on GPUs, gloo on CPU). Its reduction is registered as a sum rather than DDP's
-default mean: each rank's loss is already its share of the whole batch's loss
-(normalised by the batch's token count), so the sum over the ranks is the gradient of
-the whole batch, exactly as in one process. Besides DDP the engine needs a few
+NCCL on GPUs, gloo on CPU) with its built-in reduction, the mean over the ranks. Each
+rank's loss is its share of the whole batch's loss (normalised by the batch's token
+count) and is scaled by the world size before backward, so the mean DDP takes is the
+sum over the ranks: the gradient of the whole batch, exactly as in one process. (A
+Python communication hook summing instead was tried and dropped: its future callback
+needs the GIL on gloo's worker thread, and a rank deadlocked when DDP was freed.) Besides DDP the engine needs a few
 collectives, all behind `Dist`: broadcast a Python object from rank 0 (the step's batch,
 or "stop"), sum a few floats (metrics), the largest of one integer (the step's
 micro-batch count, so every rank runs as many backward passes as DDP expects), and
@@ -36,6 +38,12 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = ["Dist", "init_distributed", "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
+
+#: DDP wrappers are never freed: freeing one with gloo can deadlock the rank (the
+#: Reducer's destructor joins gloo's worker thread while holding the GIL, and that thread
+#: may need the GIL to release its last tensors; seen about one run in six here). The
+#: engine leaves with `os._exit` (`ajet/engine/__main__.py`), so they die with it.
+_LIVE_UNTIL_EXIT: list[torch.nn.Module] = []
 
 T = TypeVar("T")
 
@@ -81,7 +89,7 @@ class Dist:
         return int(t.item())
 
     def data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`module` wrapped in DDP that sums gradients over the ranks; `module` itself alone.
+        """`module` wrapped in DDP (gradients averaged over the ranks); `module` itself alone.
 
         Call it on every rank at the same point (the constructor broadcasts rank 0's
         parameters and buffers). Train through the wrapper; generate and save through
@@ -95,10 +103,7 @@ class Dist:
             # a micro-batch may leave parameters unused (mixture-of-experts routing); their
             # gradient then counts as 0 on that rank instead of DDP failing the next step
             find_unused_parameters=True)
-        # DDP compares the hook's annotations with the real classes, and this module's
-        # are strings (postponed evaluation): register an unannotated lambda
-        ddp.register_comm_hook(state=None,
-                               hook=lambda state, bucket: _sum_gradients(state, bucket))
+        _LIVE_UNTIL_EXIT.append(ddp)
         return ddp
 
     def sync_parameters(self, module: torch.nn.Module) -> None:
@@ -119,13 +124,6 @@ class Dist:
         if self.active and torch_dist.is_initialized():
             torch_dist.destroy_process_group()
 
-
-def _sum_gradients(process_group: torch_dist.ProcessGroup | None,
-                   bucket: torch_dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: all-reduce a gradient bucket as a sum, not DDP's mean."""
-    work = torch_dist.all_reduce(bucket.buffer(), op=torch_dist.ReduceOp.SUM,
-                                 group=process_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def init_distributed(*, on_gpu: bool) -> Dist:

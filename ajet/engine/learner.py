@@ -8,8 +8,9 @@ steps. With `kl_coef > 0` a frozen copy of the initial policy is kept as referen
 Nothing here knows about episodes, HTTP or files: it takes `TrainSample`s and returns
 `UpdateStats`. Under torchrun every rank calls `update` with the whole batch and trains
 on the task groups with `group % world_size == rank` through the policy wrapped in
-DistributedDataParallel (`Dist.data_parallel`), whose hook sums the gradients over the
-ranks in the last backward pass of the step; metric sums are added up the same way, and
+DistributedDataParallel (`Dist.data_parallel`), which averages the gradients over the
+ranks in the last backward pass of the step (each rank's loss is scaled by the world
+size first, so the average is the sum); metric sums are added up the same way, and
 every rank then takes the same optimizer step, so the replicas stay identical.
 
 Whole groups make the ranks' micro-batch counts differ, while DDP needs every rank to
@@ -118,7 +119,9 @@ class Learner:
                         with self._accumulating(last=index == n_micro - 1):
                             terms, entropy = self._micro_batch(
                                 micro, n_tokens, with_entropy=real and epoch == 0)
-                            (terms.loss if real else terms.loss * 0.0).backward()
+                            # x world_size: DDP averages over the ranks, we want the sum
+                            weight = float(dist.world_size) if real else 0.0
+                            (terms.loss * weight).backward()
                         if not real:
                             continue
                         sums[0] += float(terms.loss.detach())
@@ -126,8 +129,8 @@ class Learner:
                             else terms.approx_kl_old_sum
                         sums[2] += entropy
                         sums[3] += terms.clipped_tokens
-                    # each rank's loss is its share of the batch loss, and DDP summed the
-                    # gradients over the ranks: the gradient of the whole batch
+                    # each rank's loss is its share of the batch loss, scaled by the world
+                    # size before DDP's mean: the reduced gradient is the whole batch's
                     sums = dist.sum_floats(sums, self.policy.device)
                     grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
                                                                      cfg.max_grad_norm))

@@ -13,6 +13,7 @@ parameters (flattened) and the `UpdateStats` of each update for the test to comp
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -64,3 +65,8 @@ def main(workdir: Path, out: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), Path(sys.argv[2]))
+    # Like `python -m ajet.engine`: leave without the interpreter's teardown, which would
+    # free the DDP wrapper the engine keeps alive (see `distributed._LIVE_UNTIL_EXIT`).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
