@@ -75,15 +75,20 @@ class SwarmClient:
     def __init__(
         self,
         server_url: str,
-        token: str | None = None,
-        *,
-        timeout: float = 30.0,
+        verbose: bool = True,
+        agentjet_job: AgentJetJob | None = None,
         auto_start_swarm_server: bool = False,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
+        #: the original client's switches: chatty progress logs, and the last job sent
+        self.verbose = verbose
+        self._agentjet_job = agentjet_job
         if token is None:
             token = os.environ.get("AJET_SWARM_TOKEN") or os.environ.get("AJET_SWARM_WORKER_TOKEN")
         self._token = token or None
@@ -137,11 +142,11 @@ class SwarmClient:
     def version(self) -> VersionResponse:
         return self._call("GET", "/version", model=VersionResponse)
 
-    def get_engine_status(self) -> EngineStatus:
+    def engine_status(self) -> EngineStatus:
         """The engine state (`ENGINE.*`), current run, active snapshot and last error."""
         return self._call("GET", "/get_engine_status", model=EngineStatus)
 
-    def sync_train_config(self, job: AgentJetJob | str) -> ConfigAccepted:
+    def submit_config(self, job: AgentJetJob | str) -> ConfigAccepted:
         """Send a job (model or YAML text). Accepted only while the engine is OFFLINE."""
         text = job.to_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
@@ -153,7 +158,7 @@ class SwarmClient:
         except SwarmNotFound:
             return None
 
-    def start_engine(self, *, force_restart: bool = False, wait: bool = False,
+    def start_run(self, *, force_restart: bool = False, wait: bool = False,
                      wait_timeout: float = 300.0) -> EngineStatus:
         """Start the engine with the current config; optionally wait until it serves."""
         status = self._call("POST", "/start_engine", json={"force_restart": force_restart},
@@ -162,12 +167,12 @@ class SwarmClient:
             return self.wait_for_state(SERVING_STATES, timeout=wait_timeout)
         return status
 
-    def stop_engine(self, *, reason: str = "stopped by request") -> StopEngineResponse:
+    def stop_run(self, *, reason: str = "stopped by request") -> StopEngineResponse:
         """Stop the engine (idempotent); says whether anything was running."""
         return self._call("POST", "/stop_engine", json={"reason": reason},
                           model=StopEngineResponse, timeout=max(self._timeout, 60.0))
 
-    def auto_sync_train_config_and_start_engine(
+    def configure_and_start(
         self, job: AgentJetJob, force_restart: bool = False, *, wait_timeout: float = 300.0
     ) -> EngineStatus:
         """Send `job` and start the engine, waiting until it serves episodes.
@@ -175,17 +180,17 @@ class SwarmClient:
         If the engine runs already: with `force_restart` it is stopped, reconfigured and
         restarted; without, `EngineStateConflict` is raised.
         """
-        status = self.get_engine_status()
+        status = self.engine_status()
         if status.state != EngineState.OFFLINE:
             if not force_restart:
                 raise EngineStateConflict(
                     409, f"engine is {status.state}",
-                    "call stop_engine() first or pass force_restart=True",
+                    "call stop_run() first or pass force_restart=True",
                     method="POST", path="/sync_train_config",
                 )
-            self.stop_engine(reason="auto_sync_train_config_and_start_engine(force_restart=True)")
-        self.sync_train_config(job)
-        return self.start_engine(wait=True, wait_timeout=wait_timeout)
+            self.stop_run(reason="configure_and_start(force_restart=True)")
+        self.submit_config(job)
+        return self.start_run(wait=True, wait_timeout=wait_timeout)
 
     def wait_for_state(self, states: EngineState | tuple[EngineState, ...], *,
                        timeout: float = 300.0, poll_interval: float = 0.1) -> EngineStatus:
@@ -198,7 +203,7 @@ class SwarmClient:
         deadline = time.monotonic() + timeout
         seen_other = False
         while True:
-            status = self.get_engine_status()
+            status = self.engine_status()
             if status.state in wanted:
                 return status
             if status.state == EngineState.OFFLINE and EngineState.OFFLINE not in wanted:
@@ -218,14 +223,14 @@ class SwarmClient:
 
     # ------------------------------------------------------------------ code (issue 4)
 
-    def sync_train_code_from_dir(self, path: str | os.PathLike[str],
+    def push_code(self, path: str | os.PathLike[str],
                                  force_restart: bool = False) -> CodeSyncResult:
         """Sync the git-tracked files under `<path>/ajet` incrementally (manifest, blobs, commit)."""
         from ajet.code_sync import push_tree
 
         return push_tree(self, Path(path), force_restart=force_restart)
 
-    def sync_train_code(self, zip_path: str | os.PathLike[str],
+    def push_code_zip(self, zip_path: str | os.PathLike[str],
                         force_restart: bool = False) -> CodeSyncResult:
         """One-shot upload of a zip whose members all live under `ajet/`."""
         data = Path(zip_path).read_bytes()
@@ -315,7 +320,7 @@ class SwarmClient:
 
     # ------------------------------------------------------------------ episodes (issue 3)
 
-    def begin_episode(self, discard_episode_timeout: float | None = None,
+    def open_episode(self, discard_episode_timeout: float | None = None,
                       **metadata: Any) -> BeginEpisodeResponse:
         """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it."""
         body: dict[str, Any] = {"metadata": metadata}
@@ -323,7 +328,7 @@ class SwarmClient:
             body["discard_episode_timeout"] = discard_episode_timeout
         return self._call("POST", "/begin_episode", json=body, model=BeginEpisodeResponse)
 
-    def end_episode(self, episode_uuid: str, task_id: str, reward: float, *,
+    def report_episode(self, episode_uuid: str, task_id: str, reward: float, *,
                     is_success: bool | None = None, metadata: dict[str, Any] | None = None,
                     log_metrics: dict[str, float] | None = None) -> EndEpisodeResponse:
         """Report an episode's reward; the engine trains on it."""
@@ -332,7 +337,7 @@ class SwarmClient:
                 "log_metrics": log_metrics or {}}
         return self._call("POST", "/end_episode", json=body, model=EndEpisodeResponse)
 
-    def abort_episode(self, episode_uuid: str, *, reason: str = "aborted") -> None:
+    def cancel_episode(self, episode_uuid: str, *, reason: str = "aborted") -> None:
         """Give an episode up; its slot is re-queued for another worker."""
         self._call("POST", "/abort_episode", json={"episode_uuid": episode_uuid, "reason": reason})
 

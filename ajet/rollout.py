@@ -194,7 +194,7 @@ class RolloutRunner:
         # for ROLLING, and a run that ended (max_steps) never answers anything but 409
         while not self._stop.is_set() and self._quota_left():
             try:
-                return self.client.begin_episode()
+                return self.client.open_episode()
             except (EngineStateConflict, SwarmConnectionError) as exc:
                 # not ROLLING (or the server is briefly away): wait and try again
                 with self._lock:
@@ -228,7 +228,7 @@ class RolloutRunner:
             self._feed.retry(item)
             return
         try:
-            self.client.end_episode(episode.episode_uuid, task_id, output.reward,
+            self.client.report_episode(episode.episode_uuid, task_id, output.reward,
                                     is_success=output.is_success, metadata=output.metadata,
                                     log_metrics=output.log_metrics)
         except SwarmHTTPError as exc:
@@ -246,7 +246,7 @@ class RolloutRunner:
 
     def _abort(self, episode: BeginEpisodeResponse, reason: str) -> None:
         try:
-            self.client.abort_episode(episode.episode_uuid, reason=reason[:500])
+            self.client.cancel_episode(episode.episode_uuid, reason=reason[:500])
         except SwarmError as exc:  # already closed, or the engine is gone: nothing to free
             log.debug("abort of %s not needed: %s", episode.episode_uuid, exc)
         with self._lock:

@@ -145,7 +145,7 @@ def run(ctx: BenchContext) -> list[Row]:
             pid, base = _idle_rss(server)
             idle.append(base)
             with _PeakRss(pid) as peak:
-                client.sync_train_code(zip_path)
+                client.push_code_zip(zip_path)
             zip_growth.append(peak.peak - base)
         with LocalServer(ctx.path("budget-blobs")) as server, server.client() as client:
             pid, base = _idle_rss(server)

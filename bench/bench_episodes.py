@@ -154,8 +154,8 @@ def run(ctx: BenchContext) -> list[Row]:
     per_worker_16 = 2 if ctx.quick else 8
     with LocalServer(ctx.path("episodes")) as server, server.client() as client:
         # 64 tasks x 2 repeats: 128 episode slots, and no group ever completes
-        client.sync_train_config(tiny_job(batch_size=64, num_repeat=2))
-        client.start_engine()
+        client.submit_config(tiny_job(batch_size=64, num_repeat=2))
+        client.start_run()
         status = wait_rolling_on(client, None, previous_run=None)
         if status.run_id is None:
             raise RuntimeError("the engine is ROLLING without a run id")

@@ -121,9 +121,9 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"swarm server did not start; see {root / 'server.log'}")
                 time.sleep(0.05)
-            client.sync_train_config(job)
+            client.submit_config(job)
             t0 = time.monotonic()
-            client.start_engine()
+            client.start_run()
             runner = RolloutRunner(client, workflow, tasks, n_workers=n_workers,
                                    num_repeat=num_repeat)
             runner.start()  # workers retry begin_episode until the engine serves
@@ -145,7 +145,7 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
                         break
             wall_s = time.monotonic() - t0
             runner.stop(timeout=30)
-            client.stop_engine(reason="bench finished")
+            client.stop_run(reason="bench finished")
         finally:
             if runner is not None:
                 runner.stop(timeout=5)

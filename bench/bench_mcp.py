@@ -5,7 +5,7 @@
 The installed `ajet-mcp` console script runs as a subprocess of the official `mcp`
 client (`mcp.Client` with `StdioServerParameters`), against a real swarm server with
 tokens on loopback. `engine_status` is one `GET /get_engine_status` plus the bridge's
-own bookkeeping; the reference is `SwarmClient.get_engine_status()` in this process.
+own bookkeeping; the reference is `SwarmClient.engine_status()` in this process.
 Calls alternate one by one, after a warm-up. Target: at most 10 ms median overhead.
 
 Also reported: the bridge's start, from spawning `ajet-mcp` to the first tool result,
@@ -57,13 +57,13 @@ async def _alternate(params: StdioServerParameters, direct: SwarmClient, n: int
     async with Client(params) as client:
         for _ in range(5):  # warm up both paths
             await _engine_status(client)
-            direct.get_engine_status()
+            direct.engine_status()
         for _ in range(n):
             t0 = time.perf_counter()
             await _engine_status(client)
             via_mcp.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            direct.get_engine_status()
+            direct.engine_status()
             via_client.append(time.perf_counter() - t0)
     return via_mcp, via_client
 
@@ -100,7 +100,7 @@ def run(ctx: BenchContext) -> list[Row]:
     overhead = mcp_ms - client_ms
     return [
         Row("MCP engine_status over stdio (ajet-mcp)", mcp_ms, "ms",
-            "SwarmClient.get_engine_status()", client_ms, rerun=RERUN, repetitions=n),
+            "SwarmClient.engine_status()", client_ms, rerun=RERUN, repetitions=n),
         Row("MCP tool overhead over the direct call", overhead, "ms",
             target=f"<= {OVERHEAD_TARGET_MS:g} ms", met=overhead <= OVERHEAD_TARGET_MS,
             rerun=RERUN, repetitions=n),

@@ -6,7 +6,7 @@ again on the new snapshot, against the floor of importing torch and loading the 
 The measured path is what a user waits for: edit one file of the 150-file tree, call
 `sync_train_code_from_dir(tree, force_restart=True)` (package, manifest, upload,
 commit, stop the running engine, start a new one on the snapshot), then poll
-`get_engine_status` until ENGINE.ROLLING with the new snapshot id and a new run id.
+`engine_status()` until ENGINE.ROLLING with the new snapshot id and a new run id.
 
 The floor is a bare interpreter doing only what no engine start can avoid:
 `import torch, transformers` and loading the already built ajet-tiny checkpoint with the
@@ -74,9 +74,9 @@ def _tiny_dir(workdir: Path) -> Path:
 
 def start_rolling(client: SwarmClient, tree: BenchTree) -> EngineStatus:
     """Sync `tree`, configure ajet-tiny, start the engine; return once it is ROLLING."""
-    first = client.sync_train_code_from_dir(tree.root)
-    client.sync_train_config(tiny_job())
-    client.start_engine()
+    first = client.push_code(tree.root)
+    client.submit_config(tiny_job())
+    client.start_run()
     return wait_rolling_on(client, first.snapshot_id, previous_run=None)  # builds ajet-tiny
 
 
@@ -92,7 +92,7 @@ def restart_once(client: SwarmClient, tree: BenchTree, marker: str, *,
     """Edit one file, sync with force_restart, wait until ROLLING on the new snapshot."""
     edit_one_file(tree, marker)
     t0 = time.perf_counter()
-    result = client.sync_train_code_from_dir(tree.root, force_restart=True)
+    result = client.push_code(tree.root, force_restart=True)
     sync_s = time.perf_counter() - t0
     status = wait_rolling_on(client, result.snapshot_id, previous_run=previous.run_id)
     total_s = time.perf_counter() - t0

@@ -67,7 +67,7 @@ def _zip_push(client: SwarmClient, tree: BenchTree, dest: Path) -> float:
     """Seconds for the one-shot path: package, zip, POST /sync_train_code."""
     t0 = time.perf_counter()
     build_zip(package_tree(tree.root), dest)
-    client.sync_train_code(dest)
+    client.push_code_zip(dest)
     return time.perf_counter() - t0
 
 
@@ -86,14 +86,14 @@ def run(ctx: BenchContext) -> list[Row]:
     zip_first: list[float] = []
     for _ in range(reps):
         with LocalServer(ctx.path("sync-first")) as server, server.client() as client:
-            first.append(timed(partial(client.sync_train_code_from_dir, tree.root)))
+            first.append(timed(partial(client.push_code, tree.root)))
         work = ctx.path("sync-first-zip")
         with LocalServer(work) as server, server.client() as client:
             zip_first.append(_zip_push(client, tree, work / "tree.zip"))
 
     with LocalServer(ctx.path("sync")) as server, server.client() as client:
         wire = _watched(client)
-        client.sync_train_code_from_dir(tree.root)
+        client.push_code(tree.root)
         zip_path = server.workdir / "tree.zip"
 
         # -- unchanged push: what goes on the wire, and how long it takes
@@ -105,7 +105,7 @@ def run(ctx: BenchContext) -> list[Row]:
         for _ in range(reps):
             wire.reset()
             t0 = time.perf_counter()
-            result = client.sync_train_code_from_dir(tree.root)
+            result = client.push_code(tree.root)
             unchanged.append(time.perf_counter() - t0)
             manifest_rt.append(result.timings["manifest_s"])
             packaging.append(result.timings["package_s"])
@@ -122,7 +122,7 @@ def run(ctx: BenchContext) -> list[Row]:
             file_size = edit_one_file(tree, f"incremental {i}")
             wire.reset()
             t0 = time.perf_counter()
-            result = client.sync_train_code_from_dir(tree.root)
+            result = client.push_code(tree.root)
             changed.append(time.perf_counter() - t0)
             if result.files != 1:
                 raise RuntimeError(f"a one-file edit uploaded {result.files} blobs, expected 1")

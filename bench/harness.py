@@ -128,7 +128,7 @@ class LocalServer:
             return
         try:
             with SwarmClient(self.url, token=CONTROL_TOKEN, timeout=60) as c:
-                c.stop_engine(reason="benchmark finished")
+                c.stop_run(reason="benchmark finished")
         except Exception as exc:  # noqa: BLE001 (the server stops the engine itself on TERM)
             log.debug("stop_engine before shutdown failed: %s", exc)
         proc.terminate()
@@ -154,7 +154,7 @@ def wait_rolling_on(client: SwarmClient, snapshot_id: str | None, *, previous_ru
     """
     deadline = time.monotonic() + timeout
     while True:
-        status = client.get_engine_status()
+        status = client.engine_status()
         if (status.state == EngineState.ROLLING and status.run_id != previous_run
                 and (snapshot_id is None or status.snapshot_id == snapshot_id)):
             return status

@@ -94,9 +94,9 @@ def main(argv: list[str] | None = None) -> int:
 
     client = SwarmClient(args.swarm_url, token=args.token)
     job = AgentJetJob()
-    if client.get_engine_status().state == EngineState.OFFLINE and not args.no_start:
+    if client.engine_status().state == EngineState.OFFLINE and not args.no_start:
         out.info("engine is OFFLINE: starting it with the default job (%s)", job.model)
-        client.auto_sync_train_config_and_start_engine(job)
+        client.configure_and_start(job)
     runner = RolloutRunner(client, workflow, TASKS, n_workers=args.workers,
                            num_repeat=job.num_repeat, max_episodes=args.max_episodes)
     runner.start()

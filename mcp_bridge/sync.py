@@ -158,7 +158,7 @@ def plan_sync(bridge: Bridge) -> SyncPlan:
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}, then {ToolName.SYNC_TRAIN_CODE} again"):
         active = client.get_active_code()  # GET /code carries the active manifest
         answer = client.check_manifest(package.entries(), package.provenance)
-        state = answer.state or client.get_engine_status().state
+        state = answer.state or client.engine_status().state
         running_files: list[FileEntry] | None = active.files if active is not None else None
         changes = compare_manifests(package.entries(), running_files)
         sizes = {f.sha256: f.size for f in package.files}

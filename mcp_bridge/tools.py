@@ -98,7 +98,7 @@ def _error_info(err: LastError | None, *, tail: int = _TAIL_LINES) -> ErrorInfo 
 def engine_status(bridge: Bridge) -> EngineStatusResult:
     """The engine's state, run, code, last error; this bridge's rollouts and approvals."""
     with swarm_errors(f"call {ToolName.ENGINE_STATUS} again"):
-        status = bridge.client.get_engine_status()
+        status = bridge.client.engine_status()
     pending = [a.id for a in bridge.approvals.all()
                if a.status.value == "pending" and not a.expired(time.time())
                and a.server_url.rstrip("/") == bridge.config.swarm_url.rstrip("/")]
@@ -151,7 +151,7 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
     counts) and names bad fields; the result lists what changed.
     """
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
-        status = bridge.client.get_engine_status()
+        status = bridge.client.engine_status()
     if status.state != EngineState.OFFLINE:
         raise tool_error(
             f"the engine is {status.state}; the config can change only while it is OFFLINE",
@@ -162,7 +162,7 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
     merged = {**({} if reset else base or {}), **changes}
     text = yaml.safe_dump(merged, sort_keys=False)
     with swarm_errors(f"fix the named field(s) and call {ToolName.CONFIGURE} again"):
-        accepted = bridge.client.sync_train_config(text)
+        accepted = bridge.client.submit_config(text)
     before = base if base is not None else default_job_values()
     changed = [ConfigChange(field=k, before=before.get(k), after=accepted.config.get(k))
                for k in sorted(set(before) | set(accepted.config))
@@ -184,7 +184,7 @@ def start_engine(bridge: Bridge, *, force_restart: bool = False,
     """Start a run and wait (bounded) until it serves episodes; a failed boot is an error."""
     wait = bridge.config.start_wait_s if wait_s is None else max(0.0, wait_s)
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
-        before = bridge.client.get_engine_status()
+        before = bridge.client.engine_status()
     if not before.has_config:
         raise tool_error("the server has no training config yet",
                          f"call {ToolName.CONFIGURE} (defaults are fine), then "
@@ -197,7 +197,7 @@ def start_engine(bridge: Bridge, *, force_restart: bool = False,
         )
     t0 = time.monotonic()
     with swarm_errors(f"call {ToolName.ENGINE_STATUS} and {ToolName.READ_LOGS}"):
-        status = bridge.client.start_engine(force_restart=force_restart)
+        status = bridge.client.start_run(force_restart=force_restart)
         run_id = status.run_id
         deadline = t0 + wait
         while True:
@@ -210,7 +210,7 @@ def start_engine(bridge: Bridge, *, force_restart: bool = False,
             if time.monotonic() >= deadline:
                 break
             time.sleep(_POLL_S)
-            status = bridge.client.get_engine_status()
+            status = bridge.client.engine_status()
             run_id = run_id or status.run_id
     waited = round(time.monotonic() - t0, 1)
     if status.state in SERVING_STATES:
@@ -243,7 +243,7 @@ def stop_engine(bridge: Bridge, *, reason: str = "stopped by the research agent"
     for handle in stopped:
         bridge.rollouts.stop(handle)
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
-        result = bridge.client.stop_engine(reason=reason[:500])
+        result = bridge.client.stop_run(reason=reason[:500])
     if result.stopped:
         message = (f"Run {result.run_id} stopped; engine is {result.state}. Next: "
                    f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
@@ -507,7 +507,7 @@ def start_rollouts(bridge: Bridge, workflow: str, *, n_workers: int = 4,
             f"and TASKS (or tasks()); then call {ToolName.START_ROLLOUTS} again",
         ) from exc
     with swarm_errors(f"call {ToolName.ROLLOUT_STATUS}"):
-        state = bridge.client.get_engine_status().state
+        state = bridge.client.engine_status().state
     message = (f"Rollouts {job.handle} started: {n_workers} worker(s), {job.tasks} task(s) x "
                f"{num_repeat}.")
     if state not in SERVING_STATES:

@@ -87,7 +87,7 @@ def _status(args: argparse.Namespace) -> int:
 
     try:
         with SwarmClient(args.swarm_url, timeout=10) as client:
-            status = client.get_engine_status()
+            status = client.engine_status()
     except SwarmError as exc:
         sys.stderr.write(f"ajet-swarm: {exc}\n")
         return 1
@@ -101,7 +101,7 @@ def _stop(args: argparse.Namespace) -> int:
 
     try:
         with SwarmClient(args.swarm_url, timeout=60) as client:
-            result = client.stop_engine(reason="ajet-swarm stop")
+            result = client.stop_run(reason="ajet-swarm stop")
             sys.stderr.write(f"engine stopped: {result.stopped}\n")
     except SwarmError as exc:
         sys.stderr.write(f"ajet-swarm: engine not stopped through the API: {exc}\n")

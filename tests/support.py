@@ -107,7 +107,7 @@ def rolling_server(workdir: Path, job: AgentJetJob, *, env: Mapping[str, str] | 
                                         "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN, **(env or {})})
     try:
         with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
-            control.auto_sync_train_config_and_start_engine(job, wait_timeout=wait_timeout)
+            control.configure_and_start(job, wait_timeout=wait_timeout)
         yield handle
     finally:
         handle.stop()

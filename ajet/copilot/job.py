@@ -1,7 +1,7 @@
 """`AgentJetJob`: the validated description of one training job.
 
 A job is what a user or agent writes on the laptop and sends with
-`SwarmClient.sync_train_config(job)`; the server stores its YAML and the engine turns it
+`SwarmClient.submit_config(job)`; the server stores its YAML and the engine turns it
 into its own config (`ajet.engine.config`). Defaults live in
 `ajet/default_config/job.yaml` and run on a CPU with the built-in `ajet-tiny` model.
 """

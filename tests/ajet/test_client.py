@@ -55,13 +55,13 @@ def test_compatibility_import_path() -> None:
 def test_errors_are_typed_and_carry_detail_and_hint(fake_server: ServerHandle) -> None:
     with SwarmClient(fake_server.url) as client:
         with pytest.raises(EngineStateConflict) as no_config:
-            client.start_engine()
+            client.start_run()
         assert no_config.value.status == 409
         assert no_config.value.detail == "no training config on the server"
         assert "sync_train_config" in no_config.value.hint
         assert "POST /start_engine -> 409" in str(no_config.value)
         with pytest.raises(SwarmValidationError) as invalid:
-            client.sync_train_config("lr: 2\n")
+            client.submit_config("lr: 2\n")
         assert invalid.value.detail[0]["loc"] == ["lr"]
         with pytest.raises(SwarmNotFound):
             client.get_metrics("no-such-run")
@@ -76,16 +76,16 @@ def test_auth_errors_and_token_from_the_environment(secured_server: ServerHandle
     monkeypatch.delenv("AJET_SWARM_WORKER_TOKEN", raising=False)
     with SwarmClient(secured_server.url) as anonymous:
         with pytest.raises(SwarmAuthError) as missing:
-            anonymous.get_engine_status()
+            anonymous.engine_status()
         assert missing.value.status == 401 and "AJET_SWARM_TOKEN" in missing.value.hint
     with SwarmClient(secured_server.url, token=WORKER_TOKEN) as worker:
-        assert worker.get_engine_status().state is S.OFFLINE  # read-only is allowed
+        assert worker.engine_status().state is S.OFFLINE  # read-only is allowed
         with pytest.raises(SwarmAuthError) as forbidden:
-            worker.stop_engine()
+            worker.stop_run()
         assert forbidden.value.status == 403
     monkeypatch.setenv("AJET_SWARM_TOKEN", CONTROL_TOKEN)
     with SwarmClient(secured_server.url) as control:
-        assert control.stop_engine().stopped is False
+        assert control.stop_run().stopped is False
         assert control.get_audit().entries[-1].action == "stop_engine"
 
 
@@ -93,33 +93,33 @@ def test_unreachable_server_is_a_connection_error() -> None:
     with SwarmClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client:
         assert client.health() is False
         with pytest.raises(SwarmConnectionError, match="cannot reach"):
-            client.get_engine_status()
+            client.engine_status()
 
 
 def test_auto_sync_and_start_waits_until_rolling_and_respects_force_restart(
         fake_server: ServerHandle) -> None:
     with SwarmClient(fake_server.url) as client:
-        status = client.auto_sync_train_config_and_start_engine(
+        status = client.configure_and_start(
             AgentJetJob(experiment_name="auto-1"), wait_timeout=30)
         assert status.state is S.ROLLING and status.experiment_name == "auto-1"
         with pytest.raises(EngineStateConflict) as busy:
-            client.auto_sync_train_config_and_start_engine(AgentJetJob(experiment_name="auto-2"))
+            client.configure_and_start(AgentJetJob(experiment_name="auto-2"))
         assert "force_restart=True" in busy.value.hint
-        assert client.get_engine_status().run_id == status.run_id  # nothing changed
-        again = client.auto_sync_train_config_and_start_engine(
+        assert client.engine_status().run_id == status.run_id  # nothing changed
+        again = client.configure_and_start(
             AgentJetJob(experiment_name="auto-2"), force_restart=True, wait_timeout=30)
         assert again.state is S.ROLLING and again.run_id != status.run_id
         assert again.experiment_name == "auto-2"
         assert client.get_run(status.run_id or "").status == "ended"
-        assert client.stop_engine().stopped
+        assert client.stop_run().stopped
 
 
 def test_wait_raises_with_the_engines_error_when_boot_fails(fake_server: ServerHandle) -> None:
     set_behaviour(fake_server.workdir, mode="crash_at_boot", exit_code=5)
     with SwarmClient(fake_server.url) as client:
-        client.sync_train_config(AgentJetJob())
+        client.submit_config(AgentJetJob())
         with pytest.raises(SwarmError) as exc:
-            client.start_engine(wait=True, wait_timeout=30)
+            client.start_run(wait=True, wait_timeout=30)
         assert not isinstance(exc.value, SwarmHTTPError)
         assert "exited with code 5" in str(exc.value)
         assert "fake boot failure" in str(exc.value)
@@ -139,7 +139,7 @@ def test_auto_start_swarm_server_starts_a_local_server_and_close_stops_it(tmp_pa
     try:
         pid = client.started_server_pid
         assert pid is not None and process_alive(pid)
-        assert client.get_engine_status().state is S.OFFLINE
+        assert client.engine_status().state is S.OFFLINE
         assert (tmp_path / "auto" / "swarm.sqlite3").exists()
         # a second client finds the running server and starts nothing
         with SwarmClient(url, auto_start_swarm_server=True) as second:

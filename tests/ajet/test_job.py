@@ -72,7 +72,7 @@ def test_inconsistent_and_malformed_jobs_are_rejected() -> None:
 def test_server_rejects_bad_jobs_with_422_naming_the_field_and_changes_nothing(
         server: ServerHandle) -> None:
     with SwarmClient(server.url) as client:
-        good = client.sync_train_config(AgentJetJob(experiment_name="kept", lr=0.01))
+        good = client.submit_config(AgentJetJob(experiment_name="kept", lr=0.01))
         for text, field in (("lr: 5\n", "lr"), ("batch_size: many\n", "batch_size"),
                             ("unknown_key: 1\n", "unknown_key"), ("lr: [0.1\n", "")):
             r = httpx.post(f"{server.url}/sync_train_config", json={"yaml": text})
@@ -85,11 +85,11 @@ def test_server_rejects_bad_jobs_with_422_naming_the_field_and_changes_nothing(
                 assert "YAML" in body["detail"][0]["msg"]
             assert "nothing was changed" in body["hint"]
         with pytest.raises(SwarmValidationError) as exc:
-            client.sync_train_config("num_repeat: 0\n")
+            client.submit_config("num_repeat: 0\n")
         assert exc.value.status == 422 and "num_repeat" in exc.value.hint
-        status = client.get_engine_status()
+        status = client.engine_status()
         assert status.has_config and status.experiment_name == "kept"
         missing_body = httpx.post(f"{server.url}/sync_train_config", json={})
         assert missing_body.status_code == 422 and "yaml" in missing_body.json()["hint"]
-        again = client.sync_train_config(AgentJetJob(experiment_name="kept", lr=0.01))
+        again = client.submit_config(AgentJetJob(experiment_name="kept", lr=0.01))
         assert again.config_hash == good.config_hash  # same job, same normalised YAML

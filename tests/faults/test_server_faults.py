@@ -74,8 +74,8 @@ def seeded(tmp_path: Path) -> Iterator[tuple[Path, Path, str]]:
     server = start_server(workdir, env=server_env())
     try:
         with SwarmClient(server.url) as client:
-            snapshot = client.sync_train_code_from_dir(repo).snapshot_id
-            client.sync_train_config(AgentJetJob(experiment_name="faults"))
+            snapshot = client.push_code(repo).snapshot_id
+            client.submit_config(AgentJetJob(experiment_name="faults"))
     finally:
         server.stop()
     yield workdir, repo, snapshot
@@ -88,14 +88,14 @@ def check_recovered(workdir: Path, before: object, snapshot: str, repo: Path) ->
         assert store_state(workdir) == before
         assert_consistent(server.url, workdir)
         with SwarmClient(server.url) as client:
-            assert client.get_engine_status().snapshot_id == snapshot
+            assert client.engine_status().snapshot_id == snapshot
             (repo / "ajet" / "after_fault.py").write_text("RECOVERED = True\n")
             subprocess.run(["git", "-C", str(repo), "add", "ajet"], check=True)
-            synced = client.sync_train_code_from_dir(repo)
+            synced = client.push_code(repo)
             assert synced.activated and synced.snapshot_id != snapshot
-            status = client.start_engine(wait=True, wait_timeout=60)
+            status = client.start_run(wait=True, wait_timeout=60)
             assert status.snapshot_id == synced.snapshot_id
-            client.stop_engine()
+            client.stop_run()
         assert_store_whole(server.url, workdir)
     finally:
         server.stop()
@@ -146,7 +146,7 @@ def test_server_sigkilled_during_snapshot_materialisation(seeded: tuple[Path, Pa
     def sync() -> None:
         try:
             with SwarmClient(server.url, timeout=120) as client:
-                client.sync_train_code_from_dir(repo)
+                client.push_code(repo)
         except (SwarmError, httpx.HTTPError) as exc:
             errors.append(exc)
 

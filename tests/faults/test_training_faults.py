@@ -87,7 +87,7 @@ def begin(client: SwarmClient) -> BeginEpisodeResponse:
     deadline = time.monotonic() + 60
     while True:
         try:
-            return client.begin_episode()
+            return client.open_episode()
         except EngineStateConflict:
             assert time.monotonic() < deadline, "begin_episode kept answering 409"
             time.sleep(0.05)
@@ -176,7 +176,7 @@ def test_a_vanished_worker_times_out_and_its_slot_is_requeued(srv: ServerHandle)
                 "episode_uuid": episode.episode_uuid, "task_id": "t", "reward": 1.0})
             assert late.status_code == 409 and "timed out" in late.json()["detail"], late.text
         assert chat(http, gone[0]).status_code == 401  # its key died with it
-        worker.abort_episode(fresh.episode_uuid)
+        worker.cancel_episode(fresh.episode_uuid)
 
 
 # ---------------------------------------------------------------------------- kill
@@ -186,7 +186,7 @@ def test_engine_sigkilled_during_the_update(srv: ServerHandle) -> None:
     # a long update (many PPO epochs), so the kill lands inside WEIGHT_SYNCING
     slow = JOB.model_copy(update={"ppo_epochs": 100, "max_new_tokens": 16})
     with SwarmClient(srv.url, token=CONTROL_TOKEN) as control:
-        status = control.auto_sync_train_config_and_start_engine(slow, force_restart=True,
+        status = control.configure_and_start(slow, force_restart=True,
                                                                  wait_timeout=180)
     run_id, pid = status.run_id, status.pid
     assert run_id is not None and pid is not None
@@ -219,6 +219,6 @@ def test_engine_sigkilled_during_the_update(srv: ServerHandle) -> None:
     assert r.status_code == 409
     # and the next start works on the same config
     with SwarmClient(srv.url, token=CONTROL_TOKEN) as control:
-        again = control.start_engine(wait=True, wait_timeout=180)
+        again = control.start_run(wait=True, wait_timeout=180)
         assert again.state is EngineState.ROLLING and again.run_id != run_id
-        control.stop_engine()
+        control.stop_run()

@@ -120,7 +120,7 @@ async def test_research_loop_in_process(server: ServerHandle, repo: Path,
         async with Client(build_server(bridge), elicitation_callback=human) as client:
             synced = await _research_loop(client, repo, human)
     finally:
-        bridge.client.stop_engine(reason="test teardown")
+        bridge.client.stop_run(reason="test teardown")
         bridge.close()
     assert bridge.client is not None and synced["snapshot_id"]
 
@@ -139,7 +139,7 @@ async def test_research_loop_over_stdio(server: ServerHandle, repo: Path,
             synced = await _research_loop(client, repo, human)
     finally:
         with SwarmClient(server.url) as swarm:
-            swarm.stop_engine(reason="test teardown")
+            swarm.stop_run(reason="test teardown")
     with SwarmClient(server.url) as swarm:
         active = swarm.get_active_code()
     assert active is not None and active.snapshot_id == synced["snapshot_id"]

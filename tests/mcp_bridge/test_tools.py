@@ -42,7 +42,7 @@ def bridge(fake_server: ServerHandle, repo: Path, approvals_dir: Path) -> Iterat
     b = make_bridge(fake_server, repo, approvals_dir, approval=ApprovalMode.AUTO,
                     start_wait_s=30.0)
     yield b
-    b.client.stop_engine(reason="test teardown")
+    b.client.stop_run(reason="test teardown")
     b.close()
 
 

@@ -99,7 +99,7 @@ def begin(client: SwarmClient) -> BeginEpisodeResponse:
     deadline = time.monotonic() + 60
     while True:
         try:
-            return client.begin_episode()
+            return client.open_episode()
         except EngineStateConflict:  # a step is closing; claims reopen at ROLLING
             assert time.monotonic() < deadline
             time.sleep(0.05)
@@ -131,17 +131,17 @@ def test_forged_keys_are_refused(srv: ServerHandle, worker: SwarmClient) -> None
                    headers={"Authorization": f"Bearer {a.openai_api_key}"})
     assert r.status_code == 401
     for episode in (a, b):
-        worker.abort_episode(episode.episode_uuid)
+        worker.cancel_episode(episode.episode_uuid)
 
 
 def test_a_key_works_for_its_own_episode_only(srv: ServerHandle, worker: SwarmClient) -> None:
     a, b = begin(worker), begin(worker)
-    worker.end_episode(b.episode_uuid, task_id="keys-b", reward=1.0)
+    worker.report_episode(b.episode_uuid, task_id="keys-b", reward=1.0)
     # a's key naming b in the header the gateway sets: the key alone decides the episode
     answer = chat(srv, a.openai_api_key, **{"X-Episode-UUID": b.episode_uuid})
     assert answer.status_code == 200, answer.text
     assert refused(chat(srv, b.openai_api_key))  # b has ended: its own key is void
-    worker.abort_episode(a.episode_uuid)
+    worker.cancel_episode(a.episode_uuid)
 
 
 def test_keys_cannot_be_replayed_after_end_or_abort(srv: ServerHandle,
@@ -149,8 +149,8 @@ def test_keys_cannot_be_replayed_after_end_or_abort(srv: ServerHandle,
     ended, aborted = begin(worker), begin(worker)
     for episode in (ended, aborted):
         assert chat(srv, episode.openai_api_key).status_code == 200
-    worker.end_episode(ended.episode_uuid, task_id="keys-replay", reward=0.5)
-    worker.abort_episode(aborted.episode_uuid)
+    worker.report_episode(ended.episode_uuid, task_id="keys-replay", reward=0.5)
+    worker.cancel_episode(aborted.episode_uuid)
     for episode in (ended, aborted):
         replay = chat(srv, episode.openai_api_key)
         assert refused(replay), replay.text
@@ -166,7 +166,7 @@ def test_keys_of_an_earlier_engine_run_are_refused(srv: ServerHandle,
     old = begin(worker)
     assert chat(srv, old.openai_api_key).status_code == 200
     with SwarmClient(srv.url, token=CONTROL_TOKEN) as control:
-        new_run = control.start_engine(force_restart=True, wait=True, wait_timeout=180)
+        new_run = control.start_run(force_restart=True, wait=True, wait_timeout=180)
     assert new_run.run_id != old.run_id
     assert refused(chat(srv, old.openai_api_key))
     late = httpx.post(f"{srv.url}/end_episode", headers=WRK, timeout=30, json={
@@ -174,4 +174,4 @@ def test_keys_of_an_earlier_engine_run_are_refused(srv: ServerHandle,
     assert late.status_code == 404 and "run" in late.json()["detail"]
     fresh = begin(worker)
     assert fresh.run_id == new_run.run_id and chat(srv, fresh.openai_api_key).status_code == 200
-    worker.abort_episode(fresh.episode_uuid)
+    worker.cancel_episode(fresh.episode_uuid)

@@ -42,7 +42,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
                           env={"AJET_SWARM_TOKEN": CONTROL_TOKEN, **HOSTILE_LIMITS})
     repo = tree_repo(tmp_path_factory.mktemp("repo") / "repo", 3)
     with SwarmClient(handle.url, token=CONTROL_TOKEN) as client:
-        client.sync_train_code_from_dir(repo)  # a snapshot that must stay as it is
+        client.push_code(repo)  # a snapshot that must stay as it is
     body = b"".join(blob_record(b) for b in STORED)
     assert httpx.post(f"{handle.url}/code/blobs", content=body, headers=CTL).status_code == 200
     yield handle

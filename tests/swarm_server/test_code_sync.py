@@ -89,7 +89,7 @@ def test_sync_ships_tracked_files_and_engine_runs_them(
     (repo / "ajet" / "new_module.py").write_text("UNTRACKED = True\n")
     server_ajet = client.version().ajet_file
 
-    result = client.sync_train_code_from_dir(repo)
+    result = client.push_code(repo)
 
     # exactly the tracked files, with working-tree content, in ./ajet_temp/<timestamp>/ajet
     assert SNAPSHOT_PATH.match(result.path), result.path
@@ -121,8 +121,8 @@ def test_sync_ships_tracked_files_and_engine_runs_them(
     assert blob == init.read_bytes()
 
     # the engine starts on the snapshot and runs the patched code
-    client.sync_train_config(AgentJetJob())
-    status = client.start_engine(wait=True, wait_timeout=60)
+    client.submit_config(AgentJetJob())
+    status = client.start_run(wait=True, wait_timeout=60)
     assert status.snapshot_id == result.snapshot_id
     assert Path(status.ajet_file or "").resolve().is_relative_to(folder.resolve())
     log = (engine_server.workdir / "runs" / (status.run_id or "") / "engine.log").read_text()
@@ -133,16 +133,16 @@ def test_sync_ships_tracked_files_and_engine_runs_them(
     # syncing changed code while the engine runs: 409 unless force_restart
     (repo / "ajet" / "errors.py").write_text((repo / "ajet" / "errors.py").read_text() + "\n#\n")
     with pytest.raises(EngineStateConflict, match="force_restart"):
-        client.sync_train_code_from_dir(repo)
+        client.push_code(repo)
     assert client.get_active_code().snapshot_id == result.snapshot_id  # type: ignore[union-attr]
-    forced = client.sync_train_code_from_dir(repo, force_restart=True)
+    forced = client.push_code(repo, force_restart=True)
     assert forced.restarted and forced.run_id and forced.run_id != status.run_id
     assert forced.files == 0  # its one blob went up with the refused attempt
     status = client.wait_for_state(EngineState.ROLLING, timeout=60)
     assert status.run_id == forced.run_id and status.snapshot_id == forced.snapshot_id
     assert Path(status.ajet_file or "").resolve().is_relative_to(
         (engine_server.workdir / forced.path).resolve())
-    client.stop_engine()
+    client.stop_run()
 
     # the server's own code is untouched
     assert client.version().ajet_file == server_ajet
@@ -157,12 +157,12 @@ def test_sync_ships_tracked_files_and_engine_runs_them(
 def test_unchanged_tree_uploads_nothing_and_one_edit_uploads_one_blob(
         tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 150, file_bytes=10_000)
-    first = client.sync_train_code_from_dir(repo)
+    first = client.push_code(repo)
     assert first.files == len({f.sha256 for f in package_tree(repo).files})
     dirs = snapshot_dirs(engine_server.workdir)
     assert len(dirs) == 1
 
-    again = client.sync_train_code_from_dir(repo)
+    again = client.push_code(repo)
     assert again.bytes_uploaded == 0 and again.files == 0 and again.reused
     assert again.snapshot_id == first.snapshot_id and again.path == first.path
     assert "commit_s" not in again.timings  # one round trip: the manifest
@@ -170,7 +170,7 @@ def test_unchanged_tree_uploads_nothing_and_one_edit_uploads_one_blob(
 
     edited = repo / "ajet" / "m7" / "mod_77.py"
     edited.write_text(edited.read_text() + "EDITED = True\n")
-    one = client.sync_train_code_from_dir(repo)
+    one = client.push_code(repo)
     assert one.files == 1 and one.bytes_uploaded == edited.stat().st_size
     assert one.snapshot_id != first.snapshot_id and not one.reused
     assert len(snapshot_dirs(engine_server.workdir)) == 2
@@ -181,7 +181,7 @@ def test_unchanged_tree_uploads_nothing_and_one_edit_uploads_one_blob(
     assert b"EDITED" not in (engine_server.workdir / first.path / "m7" / "mod_77.py").read_bytes()
 
     # the one-shot zip of the same tree is the same snapshot: nothing new is written
-    zipped = client.sync_train_code(build_zip(package_tree(repo), tmp_path / "code.zip"))
+    zipped = client.push_code_zip(build_zip(package_tree(repo), tmp_path / "code.zip"))
     assert zipped.snapshot_id == one.snapshot_id and zipped.reused
     assert len(snapshot_dirs(engine_server.workdir)) == 2
 
@@ -203,7 +203,7 @@ def test_blob_lost_before_commit_is_uploaded_again(
         return answer
 
     monkeypatch.setattr(client, "_call", call_then_lose_a_blob)
-    result = client.sync_train_code_from_dir(repo)
+    result = client.push_code(repo)
     assert lost and result.snapshot_id == pkg.snapshot_id and result.activated
     assert result.files == len({f.sha256 for f in pkg.files}) + 1
     assert (engine_server.workdir / result.path / "m2" / "mod_2.py").read_bytes() == \
@@ -214,7 +214,7 @@ def test_zip_sync_creates_and_activates_a_snapshot(
         tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 5)
     pkg = package_tree(repo)
-    result = client.sync_train_code(build_zip(pkg, tmp_path / "code.zip"))
+    result = client.push_code_zip(build_zip(pkg, tmp_path / "code.zip"))
     assert result.snapshot_id == pkg.snapshot_id and result.activated and not result.reused
     assert result.files == 11 and SNAPSHOT_PATH.match(result.path)
     assert set(files_under(engine_server.workdir / result.path)) == {f.path for f in pkg.files}
@@ -225,13 +225,13 @@ def test_zip_sync_creates_and_activates_a_snapshot(
 def test_syntax_error_is_refused_and_nothing_is_activated(
         tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 3)
-    good = client.sync_train_code_from_dir(repo)
+    good = client.push_code(repo)
     (repo / "ajet" / "m1" / "mod_1.py").write_text("def broken(:\n")
     # the broken file's blob is uploaded (200) before the commit is refused; blobs and the
     # bytecode cache are content-addressed caches, the snapshot folders must not change
     before = snapshot_folders_state(engine_server.workdir)
     with pytest.raises(SwarmValidationError) as info:
-        client.sync_train_code_from_dir(repo)
+        client.push_code(repo)
     assert info.value.status == 422 and '"ajet/m1/mod_1.py", line 1' in str(info.value.detail)
     assert snapshot_folders_state(engine_server.workdir) == before
     assert client.get_active_code().snapshot_id == good.snapshot_id  # type: ignore[union-attr]
@@ -243,9 +243,9 @@ def test_syntax_error_is_refused_and_nothing_is_activated(
 def test_activate_earlier_snapshot_and_server_code(
         tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 4)
-    a = client.sync_train_code_from_dir(repo)
+    a = client.push_code(repo)
     (repo / "ajet" / "__init__.py").write_text('"""v2"""\n')
-    b = client.sync_train_code_from_dir(repo)
+    b = client.push_code(repo)
     dirs = snapshot_dirs(engine_server.workdir)
     page = client.list_snapshots()
     assert page.active == b.snapshot_id
@@ -259,10 +259,10 @@ def test_activate_earlier_snapshot_and_server_code(
     server = client.activate_snapshot(SERVER_CODE)
     assert server.snapshot_id == SERVER_CODE
     assert client.get_active_code() is None
-    assert client.get_engine_status().snapshot_id == SERVER_CODE
+    assert client.engine_status().snapshot_id == SERVER_CODE
     # with the server's code active the engine imports the installed ajet
-    client.sync_train_config(AgentJetJob())
-    status = client.start_engine(wait=True, wait_timeout=60)
+    client.submit_config(AgentJetJob())
+    status = client.start_run(wait=True, wait_timeout=60)
     assert Path(status.ajet_file or "").resolve() == Path(client.version().ajet_file).resolve()
     with pytest.raises(EngineStateConflict):
         client.activate_snapshot(b.snapshot_id)
@@ -271,7 +271,7 @@ def test_activate_earlier_snapshot_and_server_code(
     status = client.wait_for_state(EngineState.ROLLING, timeout=60)
     assert Path(status.ajet_file or "").resolve().is_relative_to(
         (engine_server.workdir / b.path).resolve())
-    client.stop_engine()
+    client.stop_run()
 
     with pytest.raises(SwarmNotFound):
         client.activate_snapshot("0" * 64)
@@ -290,13 +290,13 @@ def test_gc_keeps_newest_active_and_run_used(
         path = repo / "ajet" / "version.py"
         path.write_text(f"V = {i}\n")
         commit_all(repo)
-        result = client.sync_train_code_from_dir(repo)
+        result = client.push_code(repo)
         ids.append(result.snapshot_id)
         unique_blob[result.snapshot_id] = hashlib.sha256(path.read_bytes()).hexdigest()
         if i == 0:  # a run uses the first snapshot
-            client.sync_train_config(AgentJetJob())
-            client.start_engine(wait=True, wait_timeout=60)
-            client.stop_engine()
+            client.submit_config(AgentJetJob())
+            client.start_run(wait=True, wait_timeout=60)
+            client.stop_run()
     activated = client.activate_snapshot(ids[2])  # active: the third
     assert activated.snapshot_id == ids[2]
 
@@ -335,7 +335,7 @@ def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerH
                           env=server_env(**HOSTILE_LIMITS))
     repo = tree_repo(tmp_path_factory.mktemp("hostile_repo") / "repo", 3)
     with SwarmClient(handle.url) as c:
-        c.sync_train_code_from_dir(repo)  # something that must stay as it is
+        c.push_code(repo)  # something that must stay as it is
     yield handle
     handle.stop()
 
@@ -478,8 +478,8 @@ def test_auth_worker_token_cannot_touch_code(tmp_path: Path) -> None:
                 r = httpx.request(method, handle.url + route, headers=headers, timeout=10)
                 assert r.status_code == expected, (route, token, r.text)
         repo = tree_repo(tmp_path / "repo", 2)
-        with SwarmClient(handle.url, CONTROL_TOKEN) as c:
-            assert c.sync_train_code_from_dir(repo).activated
+        with SwarmClient(handle.url, token=CONTROL_TOKEN) as c:
+            assert c.push_code(repo).activated
     finally:
         handle.stop()
 

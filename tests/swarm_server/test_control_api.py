@@ -158,9 +158,9 @@ def test_engine_and_config_check_run_the_synced_snapshot(srv: ServerHandle, ajet
     assert httpx.post(f"{srv.url}/sync_train_config",
                       json={"yaml": "lr: 5\n"}).status_code == 422  # the server's own code
     with SwarmClient(srv.url) as client:
-        synced = client.sync_train_code_from_dir(ajet_repo)
-        assert client.sync_train_config("experiment_name: snap\nlr: 5\n").config["lr"] == 5.0
-        status = client.start_engine(wait=True, wait_timeout=30)
+        synced = client.push_code(ajet_repo)
+        assert client.submit_config("experiment_name: snap\nlr: 5\n").config["lr"] == 5.0
+        status = client.start_run(wait=True, wait_timeout=30)
         base = (srv.workdir / synced.path).parent.resolve()
         assert status.snapshot_id == synced.snapshot_id
         assert Path(status.ajet_file or "").resolve().is_relative_to(base)
@@ -168,11 +168,11 @@ def test_engine_and_config_check_run_the_synced_snapshot(srv: ServerHandle, ajet
         assert client.get_run_logs(tail=1000).lines[0] == line
         assert line in srv.log()
         assert client.get_run("current").snapshot_id == synced.snapshot_id
-        assert client.stop_engine().stopped
+        assert client.stop_run().stopped
 
         # an engine that imports some other ajet is refused, however healthy it looks
         set_behaviour(srv.workdir, report_ajet_file=ajet.__file__)
-        client.start_engine()
+        client.start_run()
         failed = wait_status(srv.url, S.OFFLINE)
         assert failed.last_error is not None
         assert "not from the active snapshot" in failed.last_error.reason
@@ -303,7 +303,7 @@ def test_cli_status_and_stop_talk_to_a_running_server(srv: ServerHandle) -> None
 def test_stored_config_reads_back(server: ServerHandle) -> None:
     with SwarmClient(server.url) as client:
         assert client.get_train_config() is None
-        sent = client.sync_train_config(AgentJetJob(experiment_name="read_back", batch_size=3))
+        sent = client.submit_config(AgentJetJob(experiment_name="read_back", batch_size=3))
         stored = client.get_train_config()
     assert stored is not None
     assert stored.config_hash == sent.config_hash

@@ -51,7 +51,7 @@ def begin(client: SwarmClient, **kwargs: Any) -> BeginEpisodeResponse:
     deadline = time.monotonic() + 60
     while True:
         try:
-            return client.begin_episode(**kwargs)
+            return client.open_episode(**kwargs)
         except EngineStateConflict:
             if time.monotonic() > deadline:
                 raise
@@ -82,7 +82,7 @@ def test_openai_client_chats_plain_and_streaming_through_an_episode_key(
     assert usage and 1 <= usage[0].completion_tokens <= 8
     assert len(text) <= usage[0].completion_tokens  # one character per token at most
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
-    done = worker.end_episode(episode.episode_uuid, "plain-and-stream", 0.25)
+    done = worker.report_episode(episode.episode_uuid, "plain-and-stream", 0.25)
     assert done.accepted
 
 
@@ -120,11 +120,11 @@ def test_forged_tampered_foreign_and_ended_keys_get_401(server: ServerHandle,
         with pytest.raises(openai.AuthenticationError):
             ask(openai.OpenAI(base_url=a.openai_base_url, api_key=key, max_retries=0))
     assert isinstance(ask(oai(a)), str)  # the genuine key still works
-    worker.end_episode(a.episode_uuid, "keys", 1.0)
+    worker.report_episode(a.episode_uuid, "keys", 1.0)
     with pytest.raises(openai.AuthenticationError, match="ended"):
         ask(oai(a))
     assert isinstance(ask(oai(b)), str)  # a's end did not touch b
-    worker.abort_episode(b.episode_uuid)
+    worker.cancel_episode(b.episode_uuid)
     with pytest.raises(openai.AuthenticationError):
         ask(oai(b))
     no_key = httpx.post(f"{server.url}/v1/chat/completions",
@@ -139,13 +139,13 @@ def test_forged_tampered_foreign_and_ended_keys_get_401(server: ServerHandle,
 def test_end_for_unknown_and_already_ended_episodes_is_4xx(server: ServerHandle,
                                                            worker: SwarmClient) -> None:
     with pytest.raises(SwarmNotFound):
-        worker.end_episode("0" * 32, "t", 1.0)
+        worker.report_episode("0" * 32, "t", 1.0)
     episode = begin(worker)
-    worker.end_episode(episode.episode_uuid, "twice", 1.0)
+    worker.report_episode(episode.episode_uuid, "twice", 1.0)
     with pytest.raises(EngineStateConflict, match="already ended"):
-        worker.end_episode(episode.episode_uuid, "twice", 1.0)
+        worker.report_episode(episode.episode_uuid, "twice", 1.0)
     with pytest.raises(EngineStateConflict):
-        worker.abort_episode(episode.episode_uuid)
+        worker.cancel_episode(episode.episode_uuid)
     bad = raw(server, "/end_episode", {"episode_uuid": "x", "task_id": "t", "reward": "many"})
     assert bad.status_code == 422
 
@@ -154,7 +154,7 @@ def test_idle_episode_is_requeued_and_its_key_and_end_refused(worker: SwarmClien
     episode = begin(worker, discard_episode_timeout=0.3)
     time.sleep(1.0)
     with pytest.raises(EngineStateConflict, match="timed out"):
-        worker.end_episode(episode.episode_uuid, "idle", 1.0)
+        worker.report_episode(episode.episode_uuid, "idle", 1.0)
     with pytest.raises(openai.AuthenticationError):
         ask(oai(episode))
 
@@ -178,7 +178,7 @@ def test_every_order_of_end_abort_timeout_no_5xx_no_lost_group_no_double_trainin
     whose first closing op of A is `end`. Then the step count and trained-episode
     count must match those groups exactly: nothing lost, nothing trained twice.
     """
-    run_dir = server.workdir / "runs" / str(worker.get_engine_status().run_id)
+    run_dir = server.workdir / "runs" / str(worker.engine_status().run_id)
     metrics = run_dir / "metrics.jsonl"
     steps_before = len(metrics.read_text().splitlines()) if metrics.exists() else 0
     statuses: list[int] = []
@@ -205,7 +205,7 @@ def test_every_order_of_end_abort_timeout_no_5xx_no_lost_group_no_double_trainin
                 closed_by = op
         expected_groups += closed_by == "end"
         b = begin(worker)
-        worker.end_episode(b.episode_uuid, task, 0.0)
+        worker.report_episode(b.episode_uuid, task, 0.0)
     assert all(s < 500 for s in statuses), statuses
     assert statuses.count(200) >= len(ORDERS) - 3  # first ops on live episodes succeed
     deadline = time.monotonic() + 60
@@ -228,18 +228,18 @@ def test_begin_while_offline_is_409_and_keys_expire_and_runs_do_not_mix(
     try:
         with SwarmClient(handle.url) as client:
             with pytest.raises(EngineStateConflict) as info:
-                client.begin_episode()
+                client.open_episode()
             assert "ENGINE.OFFLINE" in str(info.value.detail)
             assert "start_engine" in info.value.hint
-            client.auto_sync_train_config_and_start_engine(JOB, wait_timeout=120)
-            episode = client.begin_episode()
+            client.configure_and_start(JOB, wait_timeout=120)
+            episode = client.open_episode()
             time.sleep(1.5)
             with pytest.raises(openai.AuthenticationError, match="expired"):
                 ask(oai(episode))
-            old = client.begin_episode()
-            client.start_engine(force_restart=True, wait=True, wait_timeout=120)
+            old = client.open_episode()
+            client.start_run(force_restart=True, wait=True, wait_timeout=120)
             with pytest.raises(SwarmNotFound, match="belongs to engine run"):
-                client.end_episode(old.episode_uuid, "t", 1.0)
+                client.report_episode(old.episode_uuid, "t", 1.0)
             with pytest.raises((openai.AuthenticationError, SwarmAuthError)):
                 ask(oai(old))
     finally:

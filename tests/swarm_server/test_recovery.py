@@ -33,9 +33,9 @@ def test_sigkilled_server_restart_stops_the_orphan_engine_and_keeps_the_run(
     first = start_server(workdir, env=server_env())
     try:
         with SwarmClient(first.url) as client:
-            snapshot = client.sync_train_code_from_dir(ajet_repo).snapshot_id
-            accepted = client.sync_train_config(AgentJetJob(experiment_name="survivor", lr=0.02))
-            status = client.start_engine(wait=True, wait_timeout=30)
+            snapshot = client.push_code(ajet_repo).snapshot_id
+            accepted = client.submit_config(AgentJetJob(experiment_name="survivor", lr=0.02))
+            status = client.start_run(wait=True, wait_timeout=30)
     finally:
         first.kill(signal.SIGKILL)
     assert status.pid is not None and status.run_id is not None
@@ -53,18 +53,18 @@ def test_sigkilled_server_restart_stops_the_orphan_engine_and_keeps_the_run(
             assert [p["step"] for p in client.get_metrics(run_id).points] == [1, 2]
             assert any("booting" in line for line in client.get_run_logs(run_id).lines)
 
-            after = client.get_engine_status()
+            after = client.engine_status()
             assert after.state is EngineState.OFFLINE and after.has_config
             assert after.experiment_name == "survivor" and after.snapshot_id == snapshot
             audit = [e for e in client.get_audit().entries if e.action == "recover"]
             assert len(audit) == 1 and audit[0].detail["run_id"] == run_id
 
             set_behaviour(workdir)
-            new = client.start_engine(wait=True, wait_timeout=30)  # the restored config
+            new = client.start_run(wait=True, wait_timeout=30)  # the restored config
             assert new.run_id != run_id and new.experiment_name == "survivor"
             assert new.snapshot_id == snapshot
             assert client.get_run(new.run_id or "").config_hash == accepted.config_hash
-            assert client.stop_engine().stopped
+            assert client.stop_run().stopped
     finally:
         second.stop()
 

@@ -40,8 +40,8 @@ class Runs:
 
 def _run(client: SwarmClient, workdir: Path, job: AgentJetJob, **behaviour: object) -> str:
     set_behaviour(workdir, **behaviour)
-    client.sync_train_config(job)
-    client.start_engine()
+    client.submit_config(job)
+    client.start_run()
     run_id = client.get_run("current").run_id  # the status may already be OFFLINE again
     if behaviour.get("mode") == "crash_at_boot":
         deadline = time.monotonic() + 30
@@ -50,7 +50,7 @@ def _run(client: SwarmClient, workdir: Path, job: AgentJetJob, **behaviour: obje
             time.sleep(0.02)
     else:
         client.wait_for_state(EngineState.ROLLING, timeout=30)
-        client.stop_engine(reason=f"done with {job.experiment_name}")
+        client.stop_run(reason=f"done with {job.experiment_name}")
     time.sleep(0.01)  # distinct started_at for the newest-first order
     return run_id
 
@@ -64,7 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
     client = SwarmClient(server.url)
     try:
         a = _run(client, workdir, AgentJetJob(experiment_name="cmp-a", lr=0.01), metrics=A_METRICS)
-        synced = client.sync_train_code_from_dir(repo)
+        synced = client.push_code(repo)
         b = _run(client, workdir, AgentJetJob(experiment_name="cmp-b", lr=0.02, batch_size=8),
                  metrics=B_METRICS)
         c = _run(client, workdir, AgentJetJob(experiment_name="cmp-a", lr=0.01),

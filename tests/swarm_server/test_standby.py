@@ -100,16 +100,16 @@ def test_starts_take_the_standby_and_run_the_synced_code(warm_server: ServerHand
     # no config, nothing to start: no standby yet
     assert not psutil.Process(warm_server.proc.pid).children()
     with SwarmClient(warm_server.url) as client:
-        client.sync_train_code_from_dir(ajet_repo)
-        client.sync_train_config(AgentJetJob(experiment_name="warm"))
+        client.push_code(ajet_repo)
+        client.submit_config(AgentJetJob(experiment_name="warm"))
         first_standby = standby_pid(warm_server)
-        first = client.start_engine(wait=True, wait_timeout=30)
+        first = client.start_run(wait=True, wait_timeout=30)
         assert first.pid == first_standby
         assert WARM_LINE in engine_log(warm_server, first)
 
         second_standby = standby_pid(warm_server, not_pid=first_standby)
         patch_marker(ajet_repo, "ajet/__init__.py", "PATCHED-INIT-RAN")
-        synced = client.sync_train_code_from_dir(ajet_repo, force_restart=True)
+        synced = client.push_code(ajet_repo, force_restart=True)
         assert synced.restarted
         second = client.wait_for_state(EngineState.ROLLING, timeout=30)
     assert second.run_id != first.run_id and second.pid == second_standby
@@ -124,15 +124,15 @@ def test_starts_take_the_standby_and_run_the_synced_code(warm_server: ServerHand
 
 def test_a_dead_standby_means_a_cold_start_and_a_new_standby(warm_server: ServerHandle) -> None:
     with SwarmClient(warm_server.url) as client:
-        client.sync_train_config(AgentJetJob(experiment_name="cold"))
+        client.submit_config(AgentJetJob(experiment_name="cold"))
         dead = standby_pid(warm_server)
         os.kill(dead, signal.SIGKILL)
-        status = client.start_engine(wait=True, wait_timeout=30)
+        status = client.start_run(wait=True, wait_timeout=30)
         assert status.pid is not None and status.pid != dead
         assert WARM_LINE not in engine_log(warm_server, status)
         replacement = standby_pid(warm_server, not_pid=dead)
         assert replacement != status.pid
-        assert client.stop_engine().stopped
+        assert client.stop_run().stopped
     assert process_alive(replacement)  # kept for the next start
 
 
@@ -141,25 +141,25 @@ def test_stop_and_kill_of_a_standby_born_engine_clear_its_group(tmp_path: Path) 
     server = start_server(workdir, env=warm_env(AJET_SWARM_STOP_GRACE_S="0.5"))
     try:
         with SwarmClient(server.url) as client:
-            client.sync_train_config(AgentJetJob(experiment_name="groups"))
+            client.submit_config(AgentJetJob(experiment_name="groups"))
             # stop: SIGTERM is ignored, so the group gets SIGKILL after the grace
             set_behaviour(workdir, spawn_child=True, ignore_term=True)
             standby = standby_pid(server)
-            status = client.start_engine(wait=True, wait_timeout=30)
+            status = client.start_run(wait=True, wait_timeout=30)
             assert status.pid == standby
             child = int((workdir / "runs" / str(status.run_id) / "child.pid").read_text())
-            assert client.stop_engine().stopped
+            assert client.stop_run().stopped
             assert not group_members(standby) and not process_alive(child)
 
             # kill: the engine dies by SIGKILL; the server clears what it left in its group
             set_behaviour(workdir, spawn_child=True)
             standby = standby_pid(server, not_pid=standby)
-            status = client.start_engine(wait=True, wait_timeout=30)
+            status = client.start_run(wait=True, wait_timeout=30)
             assert status.pid == standby
             child = int((workdir / "runs" / str(status.run_id) / "child.pid").read_text())
             os.kill(standby, signal.SIGKILL)
             deadline = time.monotonic() + 20
-            while client.get_engine_status().state is not EngineState.OFFLINE:
+            while client.engine_status().state is not EngineState.OFFLINE:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             assert wait_gone(child) and not group_members(standby)
@@ -176,10 +176,10 @@ def test_a_standby_with_ajet_imported_runs_the_cold_command_line(tmp_path: Path,
         AJET_SWARM_WARM_STANDBY="1", AJET_SWARM_STANDBY_PRELOAD='["swarm_server.supervisor"]'))
     try:
         with SwarmClient(server.url) as client:
-            client.sync_train_code_from_dir(ajet_repo)
-            client.sync_train_config(AgentJetJob(experiment_name="tainted"))
+            client.push_code(ajet_repo)
+            client.submit_config(AgentJetJob(experiment_name="tainted"))
             standby = standby_pid(server)
-            status = client.start_engine(wait=True, wait_timeout=30)
+            status = client.start_run(wait=True, wait_timeout=30)
     finally:
         server.stop()
     assert status.pid == standby  # the same process, exec'd into the cold command line
@@ -194,7 +194,7 @@ def test_no_standby_outlives_its_server(tmp_path: Path) -> None:
     workdir = tmp_path / "swarm"
     server = start_server(workdir, env=warm_env())
     with SwarmClient(server.url) as client:
-        client.sync_train_config(AgentJetJob(experiment_name="orphans"))
+        client.submit_config(AgentJetJob(experiment_name="orphans"))
     standby = standby_pid(server)
     server.stop()  # SIGTERM: shutdown stops the standby
     assert wait_gone(standby, timeout=5)
@@ -307,15 +307,15 @@ def test_real_engine_restart_on_patched_code_uses_the_standby(tmp_path: Path,
                                                    "AJET_SWARM_STOP_GRACE_S": "5"})
     try:
         with SwarmClient(server.url) as client:
-            client.sync_train_code_from_dir(ajet_repo)
-            client.sync_train_config(AgentJetJob(model="ajet-tiny", experiment_name="warm-real",
+            client.push_code(ajet_repo)
+            client.submit_config(AgentJetJob(model="ajet-tiny", experiment_name="warm-real",
                                                  batch_size=1, num_repeat=2))
-            first = client.start_engine(wait=True, wait_timeout=120)
+            first = client.start_run(wait=True, wait_timeout=120)
             assert first.pid is not None
             standby = standby_pid(server, not_pid=first.pid, timeout=60)
 
             patch_marker(ajet_repo, "ajet/engine/runtime.py", "PATCHED-RUNTIME-RAN")
-            synced = client.sync_train_code_from_dir(ajet_repo, force_restart=True)
+            synced = client.push_code(ajet_repo, force_restart=True)
             assert synced.restarted
             second = client.wait_for_state(EngineState.ROLLING, timeout=120)
             assert second.run_id != first.run_id and second.pid == standby
@@ -324,7 +324,7 @@ def test_real_engine_restart_on_patched_code_uses_the_standby(tmp_path: Path,
             assert Path(second.ajet_file).resolve().parent == snapshot_dir
             log = engine_log(server, second)
             assert WARM_LINE in log and "PATCHED-RUNTIME-RAN" in log
-            assert client.stop_engine().stopped
+            assert client.stop_run().stopped
             assert not group_members(standby)
     finally:
         server.stop()

@@ -47,7 +47,7 @@ def _episodes(client: SwarmClient, n: int) -> None:
     done = 0
     while done < n:
         try:
-            ep = client.begin_episode()
+            ep = client.open_episode()
         except EngineStateConflict:
             time.sleep(0.05)
             continue
@@ -56,7 +56,7 @@ def _episodes(client: SwarmClient, n: int) -> None:
             model="ajet-tiny", messages=[{"role": "user", "content": "digits"}])
         text = reply.choices[0].message.content or ""
         share = sum(c.isdigit() for c in text) / len(text) if text else 0.0
-        client.end_episode(ep.episode_uuid, "one-task", share)
+        client.report_episode(ep.episode_uuid, "one-task", share)
         done += 1
 
 
@@ -64,15 +64,15 @@ def _train(root: Path, n_proc: int, steps: int) -> tuple[list[dict[str, Any]], A
     server = start_server(root)
     try:
         with SwarmClient(server.url, timeout=60) as client:
-            status = client.auto_sync_train_config_and_start_engine(
+            status = client.configure_and_start(
                 AgentJetJob(n_proc=n_proc, **JOB), wait_timeout=180)
             _episodes(client, steps * JOB["num_repeat"])
             deadline = time.monotonic() + 60
             while len(points := client.get_metrics().points) < steps:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
-            report = client.get_engine_status()
-            client.stop_engine()
+            report = client.engine_status()
+            client.stop_run()
             return points, (status, report)
     finally:
         server.stop()
@@ -117,7 +117,7 @@ def test_a_killed_rank_brings_the_engine_offline_with_its_error(tmp_path: Path) 
     server = start_server(tmp_path / "swarm")
     try:
         with SwarmClient(server.url, timeout=60) as client:
-            status = client.auto_sync_train_config_and_start_engine(
+            status = client.configure_and_start(
                 AgentJetJob(n_proc=2, **JOB), wait_timeout=180)
             assert status.pid is not None
             ranks = _children(status.pid)
@@ -125,7 +125,7 @@ def test_a_killed_rank_brings_the_engine_offline_with_its_error(tmp_path: Path) 
             victim = max(ranks)  # the later-started child: rank 1
             os.kill(victim, signal.SIGKILL)
             deadline = time.monotonic() + 60
-            while (now := client.get_engine_status()).state != EngineState.OFFLINE:
+            while (now := client.engine_status()).state != EngineState.OFFLINE:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
             assert now.last_error is not None

@@ -23,7 +23,7 @@ def test_digit_reward_rises_within_ten_steps(tmp_path: Path) -> None:
     client = SwarmClient(server.url, timeout=60)
     runner = RolloutRunner(client, workflow, tasks, n_workers=4, num_repeat=job.num_repeat)
     try:
-        client.auto_sync_train_config_and_start_engine(job, wait_timeout=120)
+        client.configure_and_start(job, wait_timeout=120)
         runner.start()
         deadline = time.monotonic() + 240
         points: list[dict] = []
