@@ -81,7 +81,7 @@ def test_sampled_logprobs_match_training_scores(policy: Policy) -> None:
     with torch.no_grad():
         scored, mask, entropy = score_responses(policy.model, prompts, responses,
                                                 pad_id=policy.pad_id, temperature=0.7,
-                                                device=policy.device, with_entropy=True)
+                                                device=policy.device)
     assert torch.allclose(scored, torch.tensor(recorded), atol=1e-4)
     assert mask.sum() == 18 and entropy is not None and float(entropy.min()) > 0
 
@@ -114,7 +114,7 @@ def test_an_update_raises_the_logprob_of_a_good_reply(policy: Policy, tmp_path: 
                             TrainSample(prompt, bad, tuple(score(bad)), -1.0)])
     assert stats.tokens == 10 and stats.samples == 2 and stats.entropy > 0
     assert sum(score(good)) > before_good and sum(score(bad)) < before_bad
-    saved = save_checkpoint(policy, tmp_path / "final", step=1, run_id="r")
+    saved = save_checkpoint(learner, tmp_path / "final", step=1, run_id="r")
     reloaded = load_policy(saved, device="cpu", dtype="float32", seed=0)
     with torch.no_grad():
         lp, _, _ = score_responses(reloaded.model, [list(prompt)], [list(good)],
