@@ -86,6 +86,30 @@ def test_sampled_logprobs_match_training_scores(policy: Policy) -> None:
     assert mask.sum() == 18 and entropy is not None and float(entropy.min()) > 0
 
 
+def test_chunked_scores_match_whole_logits_and_micro_batches_keep_the_budget(
+        policy: Policy) -> None:
+    from ajet.engine.learner import micro_batches, mini_batches
+    from ajet.engine.scoring import ResponseScorer, pack_responses
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[20, 21, 22, 23, 24], [25], [26, 27, 28]]
+    batch = pack_responses(prompts, responses, pad_id=policy.pad_id, device=policy.device)
+    with torch.no_grad():
+        whole = ResponseScorer(policy.model, chunk_tokens=10_000)(batch)
+        chunked = ResponseScorer(policy.model, chunk_tokens=3)(batch)  # one position a chunk
+    assert torch.allclose(whole[0], chunked[0], atol=1e-6)
+    assert torch.allclose(whole[1], chunked[1], atol=1e-6)
+    samples = [TrainSample(tuple(range(n)), (1,) * n, (0.0,) * n, 0.0, group=n % 3)
+               for n in (1, 7, 3, 12, 2, 5)]
+    micros = micro_batches(samples, token_budget=16)
+    assert sorted(s.length for m in micros for s in m) == sorted(s.length for s in samples)
+    assert all(len(m) * max(s.length for s in m) <= 16 or len(m) == 1 for m in micros)
+    # lengths 24 (over budget), 14, 10, 6, 4, 2: longest first, rows x widest <= 16
+    assert [len(m) for m in micros] == [1, 1, 1, 2, 1]
+    parts = mini_batches(samples, 2)
+    assert len(parts) == 2 and {s.group for s in parts[0]}.isdisjoint(s.group for s in parts[1])
+
+
 def test_top_p_keeps_only_the_nucleus(policy: Policy) -> None:
     seq = [policy.render_chat([{"role": "user", "content": "a"}])]
     gen = torch.Generator().manual_seed(1)
