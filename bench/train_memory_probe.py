@@ -92,13 +92,12 @@ def state(model_dir: Path, out: Path) -> None:
     grad_bytes = sum(local_bytes(p) for p in params if p.requires_grad)
     optim_bytes = sum(local_bytes(v) for s in learner.optimizer.state.values()
                       for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
-    inference = policy_bytes = sum(local_bytes(p) for p in learner.policy.model.parameters())
-    shared = learner.policy.model is learner.model.hf_model
+    inference = sum(local_bytes(p) for p in learner.policy.model.parameters())
+    shared = learner.policy.model is learner.model.hf_model  # one process: no copy
     result = {"rank": dist.rank, "world_size": dist.world_size, "parameters": param_bytes,
               "gradients": grad_bytes, "optimizer": optim_bytes,
               "inference_copy": 0 if shared else inference,
-              "numel": sum(p.numel() for p in learner.policy.model.parameters()),
-              "policy_bytes": policy_bytes}
+              "numel": sum(p.numel() for p in learner.policy.model.parameters())}
     results = dist.gather(result)
     if dist.is_main:
         out.write_text(json.dumps(results))
