@@ -60,6 +60,8 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: where the shards live: "cuda" with NCCL, "cpu" with gloo (even on a GPU machine)
+    device_type: str = "cpu"
 
     @property
     def is_main(self) -> bool:
@@ -104,13 +106,17 @@ class Dist:
         """
         if not self.active:
             return root
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # an explicit mesh: fully_shard's default picks CUDA whenever it is available
+        mesh = init_device_mesh(self.device_type, (self.world_size,))
         policy = MixedPrecisionPolicy(param_dtype=param_dtype,
                                       reduce_dtype=torch.float32 if param_dtype else None)
         for unit in units:
-            fully_shard(unit, mp_policy=policy)
-        fully_shard(root, mp_policy=policy)
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        # the root last; it moves whatever is left (embeddings, head) to the mesh's device
+        fully_shard(root, mesh=mesh, mp_policy=policy)
         return root
 
     def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -184,7 +190,8 @@ def init_distributed(*, on_gpu: bool) -> Dist:
         torch.cuda.set_device(local_rank)
     torch_dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
     log.info("rank %d of %d joined (%s, local rank %d)", rank, world_size, backend, local_rank)
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank)
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
+                device_type="cuda" if on_gpu else "cpu")
 
 
 def start_orphan_watchdog(interval_s: float = 0.5) -> None:
