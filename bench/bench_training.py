@@ -48,7 +48,7 @@ def run(ctx: BenchContext) -> list[Row]:
     if ctx.quick:  # a few small steps: proves the plumbing, not the learning
         figures = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
                                    stop_when_met=False, workdir=workdir)
-        lora = measure_learning(duration_s=8.0, batch_size=2, num_repeat=2,
+        lora = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
                                 stop_when_met=False, workdir=lora_dir, job_overrides=LORA_JOB)
     else:
         figures = measure_learning(duration_s=BUDGET_S, workdir=workdir)
