@@ -128,6 +128,9 @@ class ConfigAccepted(BaseModel):
     config_hash: str
     experiment_name: str
     config: dict[str, Any]
+    #: the memory planner's estimate per GPU (docs/distributed.md); None when the model's
+    #: config.json is not on the server or the active code has no planner
+    memory: dict[str, Any] | None = None
 
 
 class StartEngineRequest(_Model):

@@ -6,7 +6,10 @@ dtype, CPU threads, generation batch, episode slots, ...). Both live in the sync
 snapshot, so a researcher who patches a default here changes the next run.
 
 This module imports no torch: the caller passes what the machine has
-(`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere.
+(`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere. Nor does it
+import the job model (pydantic, yaml) until `load_engine_config` reads a YAML file:
+`engine_config_from_job` reads the job's fields by name, so `bench/gpu_check.py` builds
+an `EngineConfig` on a host with only torch, transformers and peft.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ajet.copilot.job import AgentJetJob
+if TYPE_CHECKING:
+    from ajet.copilot.job import AgentJetJob
 
 __all__ = [
     "BackendDefaults",
@@ -181,6 +185,8 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
 def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tuple[AgentJetJob,
                                                                                     EngineConfig]:
     """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
+    from ajet.copilot.job import AgentJetJob
+
     job = AgentJetJob.load_yaml(path)
     return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 

@@ -97,12 +97,13 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.inference import InferenceService
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
+    from ajet.engine.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy, resolve_model_path
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    _job, cfg = load_engine_config(args.config, cuda_devices=torch.cuda.device_count(),
+    job, cfg = load_engine_config(args.config, cuda_devices=torch.cuda.device_count(),
                                   cpu_count=os.cpu_count() or 1)
     log.info("config: %s", cfg.to_json())
     torch.set_num_threads(cfg.cpu_threads)
@@ -134,6 +135,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         ajet_files = dist.gather(ajet_file)
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
+        memory = PeakMemory(policy.device, planned_bytes=_log_memory_plan(job, policy.device)
+                            if dist.is_main else None)
+        memory.mark_loaded(policy.model)  # CPU: the peak counts what training and generation add
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
         if plane is None or registry is None:  # ranks > 0: train on what rank 0 sends
@@ -151,7 +155,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
                  dist.world_size)
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                              metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
-                             started=started, dist=dist)
+                             started=started, dist=dist, memory=memory)
         steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
@@ -166,3 +170,29 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def _log_memory_plan(job: object, device: object) -> int | None:
+    """Log the memory planner's estimate for this job on this device; the bytes the
+    metrics' `peak_memory_mb` should come to (`planned_peak_mb`), or None."""
+    import torch
+
+    from ajet.engine.memory_plan import Available, JobView, detect_available, plan_job
+
+    view = JobView.from_job(job)
+    dev = torch.device(str(device))
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        available = Available(int(props.total_memory), f"torch.cuda: {props.name}")
+    else:
+        available = detect_available(view)
+    try:
+        plan = plan_job(job, available=available)
+    except ValueError as exc:  # an unusual config.json: the engine runs without a plan
+        log.warning("memory plan: no estimate (%s)", exc)
+        return None
+    if plan is None:
+        return None
+    log.log(logging.INFO if plan.fits else logging.WARNING, "%s\n%s", plan.summary(),
+            plan.render())
+    return plan.comparable_bytes()
