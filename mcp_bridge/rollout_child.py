@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import sys
 import threading
@@ -40,7 +39,8 @@ from typing import IO, Any
 
 from ajet.client import SwarmClient
 from ajet.protocol import BeginEpisodeResponse
-from ajet.rollout import RolloutRunner, WorkflowFn, WorkflowOutput, load_workflow
+# _as_output: the runner's own check of a workflow's result, so relay mode judges it alike
+from ajet.rollout import RolloutRunner, WorkflowFn, _as_output, load_workflow
 
 __all__ = ["main"]
 
@@ -165,19 +165,6 @@ def _run_relay(start: dict[str, Any], fn: WorkflowFn, proto_in: IO[str],
 def _stats(runner: RolloutRunner) -> dict[str, Any]:
     stats = runner.stats()
     return {k: getattr(stats, k) for k in stats.__dataclass_fields__}
-
-
-def _as_output(result: Any) -> WorkflowOutput:
-    if isinstance(result, WorkflowOutput):
-        output = result
-    elif isinstance(result, (int, float)) and not isinstance(result, bool):
-        output = WorkflowOutput(reward=float(result))
-    else:
-        raise TypeError(
-            f"a workflow returns a float or WorkflowOutput, not {type(result).__name__}")
-    if not math.isfinite(output.reward):
-        raise ValueError(f"the workflow returned a non-finite reward {output.reward!r}")
-    return output
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from ajet.code_review import Review, build_review, compare_manifests, escape_text
+from ajet.code_review import FileReview, Review, build_review, compare_manifests, escape_text
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import (
     SERVER_CODE,
@@ -137,7 +137,8 @@ class Approvals:
 
     def where(self, snapshot_id: str) -> dict[str, str]:
         """Where a human approves this snapshot."""
-        return {"cli": f"ajet-swarm approvals approve {snapshot_id[:_SHORT]}"}
+        return {"console": f"/ui/snapshots/{snapshot_id}",
+                "cli": f"ajet-swarm approvals approve {snapshot_id[:_SHORT]}"}
 
     # ------------------------------------------------------------------ listing
 
@@ -270,7 +271,8 @@ class Approvals:
         return [FileEntry.model_validate(e) for e in rec.manifest], read
 
 
-def review_file(f: Any) -> ReviewFile:
+def review_file(f: FileReview) -> ReviewFile:
+    """The wire form of one file's review, its paths escaped."""
     return ReviewFile(path=escape_text(f.path), kind=f.kind.value,
                       old_path=escape_text(f.old_path) if f.old_path else None,
                       old_mode=f.old_mode, new_mode=f.new_mode, size=f.size, shown=f.shown,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Header, HTTPException, Request
 
 from swarm_server.auth import (
     Role,
@@ -17,9 +17,10 @@ from swarm_server.auth import (
     require_reviewer,
 )
 from swarm_server.context import ServerContext
+from swarm_server.ui.sessions import COOKIE, ConsoleSession
 
-__all__ = ["ROLE_CHECKS", "ApproverAuth", "ControlAuth", "Ctx", "ReaderAuth", "ReviewerAuth",
-           "WorkerAuth", "get_ctx"]
+__all__ = ["ROLE_CHECKS", "ApproverAuth", "ConsoleAuth", "ControlAuth", "Ctx", "ReaderAuth",
+           "ReviewerAuth", "WorkerAuth", "get_ctx"]
 
 
 # The dependencies are `async def` although they do no I/O: FastAPI runs plain `def`
@@ -62,6 +63,18 @@ async def _reviewer(ctx: Ctx, authorization: Annotated[str | None, Header()] = N
 ApproverAuth = Annotated[str, Depends(_approver)]
 #: Code to review (the server's own ajet/ manifest and files): control token or approver.
 ReviewerAuth = Annotated[str, Depends(_reviewer)]
+
+async def _console(request: Request) -> ConsoleSession:
+    session = request.app.state.console_sessions.get(request.cookies.get(COOKIE))
+    if session is None:  # not signed in, signed out, or expired: to the sign-in page
+        raise HTTPException(status_code=303, detail="sign in first",
+                            headers={"Location": "/ui/login"})
+    return session
+
+
+#: A web console page: a live cookie session (approver: may decide; control: looks only).
+#: The ASGI gate lets `/ui` through without a bearer token; this is the check there.
+ConsoleAuth = Annotated[ConsoleSession, Depends(_console)]
 
 #: Which token check each auth dependency stands for, for the ASGI gate
 #: (`swarm_server.limits`), which must decide before any body is read. A route with none

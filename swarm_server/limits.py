@@ -10,7 +10,9 @@ happen before FastAPI parses anything:
    answer a malformed body with 422 before the route's auth dependency ran). Every
    path needs a token (reader at least, including `/docs`, `/redoc`, `/openapi.json`
    and unknown paths) except `OPEN_PATHS`: `/health`, and `/v1/chat/completions`,
-   which is authenticated by the signed episode key in its route. A route that depends
+   which is authenticated by the signed episode key in its route, and the web console
+   under `CONSOLE_PREFIX` (`/ui`), whose pages check their cookie session in one
+   dependency (`deps.ConsoleAuth`; sign-in and the style sheets need none). A route that depends
    on `ControlAuth`, `ApproverAuth` or `ReviewerAuth` needs that token here too
    (`deps.ROLE_CHECKS`). The route's own dependency still
    runs: this is a second, earlier gate, and a route that forgot its dependency is
@@ -48,11 +50,13 @@ from swarm_server.deps import ROLE_CHECKS
 from swarm_server.errors import ApiError, PayloadTooLarge
 from swarm_server.settings import Settings
 
-__all__ = ["LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_PATHS", "LimitsMiddleware",
+__all__ = ["CONSOLE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_PATHS", "LimitsMiddleware",
            "json_too_deep"]
 
 #: Paths that need no bearer token (chat carries a signed episode key instead).
 OPEN_PATHS = frozenset({"/health", "/v1/chat/completions"})
+#: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
+CONSOLE_PREFIX = "/ui"
 #: Upload routes that stream their body to disk under their own caps.
 STREAMED_PATHS = frozenset({"/sync_train_code", "/code/blobs"})
 
@@ -179,7 +183,8 @@ class LimitsMiddleware:
                         {"Connection": "close"})
 
     def _auth_refusal(self, scope: Scope) -> _Refusal | None:
-        if scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if path in OPEN_PATHS or path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
             return None
         token = bearer_token(_header(scope, b"authorization"))
         try:

@@ -26,6 +26,8 @@ from swarm_server.ledger import Ledger
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import approvals, code, control, episodes, runs
 from swarm_server.server_code import ServerCode
+from swarm_server.ui import SessionStore
+from swarm_server.ui.routes import router as console_router
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 
@@ -71,12 +73,14 @@ def create_app(settings: Settings) -> FastAPI:
         responses=LIMIT_RESPONSES,  # swarm_server.limits may refuse any request
     )
     app.state.ctx = ctx
+    app.state.console_sessions = SessionStore(settings.ui_session_ttl_s)
     install_error_handlers(app)
     app.include_router(control.router)
     app.include_router(code.router)
     app.include_router(runs.router)
     app.include_router(episodes.router)
     app.include_router(approvals.router)
+    app.include_router(console_router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
     return app

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
         default=None,
         description="AJET_SWARM_APPROVER_TOKENS_FILE: a file of `name=token` lines (`#` "
                     "comments), read at start; adds to AJET_SWARM_APPROVER_TOKENS")
+    ui_session_ttl_s: float = Field(
+        default=8 * 3600.0, gt=0, le=7 * 86_400.0,
+        description="AJET_SWARM_UI_SESSION_TTL_S: how long a web console sign-in lasts")
     allow_extension_modules: bool = Field(
         default=False,
         description="AJET_SWARM_ALLOW_EXTENSION_MODULES: accept compiled extension modules "

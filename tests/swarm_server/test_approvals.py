@@ -299,3 +299,26 @@ def test_approver_tokens_need_a_control_token(tmp_path: Path) -> None:
         env={**env, "AJET_SWARM_APPROVER_TOKENS": "alice=secret-1"}, capture_output=True,
         text=True, timeout=60)
     assert started.returncode == 2 and "AJET_SWARM_TOKEN" in started.stderr
+
+
+def test_extension_modules_only_when_the_server_allows_them(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from ajet.protocol import FileEntry
+    from swarm_server.errors import BadRequest
+    from swarm_server.ledger import Ledger
+    from swarm_server.snapshots import SnapshotStore
+
+    entry = FileEntry.model_validate(manifest_entry("ajet/fast.cpython-311-x86_64-linux-gnu.so",
+                                                    b"\x7fELF"))
+    strict = SnapshotStore(Settings(workdir=tmp_path / "a"), Ledger(tmp_path / "a.db"))
+    with pytest.raises(BadRequest, match="extension module"):
+        strict.validate_manifest([entry])
+    allowing = SnapshotStore(Settings(workdir=tmp_path / "b", allow_extension_modules=True),
+                             Ledger(tmp_path / "b.db"))
+    assert allowing.validate_manifest([entry]) == [entry]
+    repo = make_ajet_repo(tmp_path / "repo")
+    (repo / "ajet" / "fast.so").write_bytes(b"\x7fELF")
+    git(repo, "add", "ajet/fast.so")
+    with caplog.at_level("WARNING", logger="ajet.packaging"):
+        assert "ajet/fast.so" in {f.path for f in package_tree(repo).files}
+    assert "compiled extension module" in caplog.text
