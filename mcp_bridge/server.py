@@ -317,7 +317,9 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
             description="If the engine runs: stop it, switch, restart with the last config.")
                                  ] = False,
     ) -> ActivateResult:
-        """Roll back (or forward) to code already on the server; no upload, no approval."""
+        """Roll back (or forward) to code already on the server; no upload, no new approval.
+        On a server that enforces approvals only an approved snapshot (or 'server') can be
+        activated; a pending one waits for a human approver."""
         return done(tools.activate_snapshot(bridge, snapshot_id, force_restart=force_restart))
 
     # ------------------------------------------------------------------ rollouts

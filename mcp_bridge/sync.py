@@ -43,6 +43,7 @@ from ajet.code_review import (
     Review,
     build_review,
     compare_manifests,
+    escape_text,
     summarize_changes,
 )
 from ajet.code_sync import push_package
@@ -148,7 +149,7 @@ class SyncPlan:
                 else f"snapshot {self.base_id[:16]}")
         lines = [
             f"Sync ajet/ from {self.package.root} (the client claims git {head}, branch "
-            f"{prov.branch or '-'})",
+            f"{escape_text(prov.branch or '-')})",
             f"to {self.server_url}: snapshot {self.snapshot_id[:16]} replaces "
             f"{self.running_snapshot_id[:16]}"
             + (" and the running engine restarts" if force_restart
@@ -163,12 +164,12 @@ class SyncPlan:
                 shown = lists[kind][:_LIST_CAP]
                 extra = len(lists[kind]) - len(shown)
                 more = f" (+{extra} more)" if extra else ""
-                lines.append(f"{kind.capitalize()}: {', '.join(shown)}{more}")
+                lines.append(f"{kind.capitalize()}: {', '.join(map(escape_text, shown))}{more}")
         if self.flagged:
             lines.append("FLAGGED (look closely): " + "; ".join(self.flagged[:_LIST_CAP]))
         if self.package.untracked_left_out:
             left_out = self.package.untracked_left_out[:_LIST_CAP]
-            lines.append("Untracked, NOT shipped: " + ", ".join(left_out))
+            lines.append("Untracked, NOT shipped: " + ", ".join(map(escape_text, left_out)))
         return "\n".join(lines)
 
 
@@ -248,7 +249,7 @@ def server_review(bridge: Bridge, plan: SyncPlan) -> Review:
 
 
 def _flag_lines(review: Review) -> tuple[str, ...]:
-    return tuple(f"{f.path}: {', '.join(f.flags)}" for f in review.flagged)
+    return tuple(f"{escape_text(f.path)}: {', '.join(f.flags)}" for f in review.flagged)
 
 
 # ---------------------------------------------------------------------------- approval
