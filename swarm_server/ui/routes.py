@@ -191,7 +191,7 @@ def decide_form(
             else exc.detail
         return _page("error.html", request, ctx, session, status_code=exc.status,
                      title="Not decided", text=str(detail))
-    return _redirect(f"/ui/snapshots/{rec.id}?message={decision}")
+    return _redirect(f"/ui/snapshots/{rec.id}?message=decision+recorded%3A+{decision}")
 
 
 # ---------------------------------------------------------------------------- runs
