@@ -30,6 +30,7 @@ from bench import (
     bench_budgets,
     bench_episodes,
     bench_mcp,
+    bench_memory_plan,
     bench_restart,
     bench_sync,
     bench_train_memory,
@@ -51,6 +52,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "restart": bench_restart.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
+    "memory_plan": bench_memory_plan.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

@@ -1,6 +1,7 @@
 """The measurements behind `bench/bench_memory_plan.py`, each model in a fresh process.
 
-    python bench/memory_plan_probe.py {tiny,50m} {training,generation} <workdir> <out.json> [--quick]
+    python bench/memory_plan_probe.py {tiny,50m} {training,generation} <workdir> <out.json>
+    python bench/memory_plan_probe.py tiny,50m training,generation <workdir> <out.json> --quick
 
 Loads the model as the engine does (`load_policy`), marks the resident set after the
 imports and the load (`PeakMemory.mark_loaded`, as the engine's `peak_memory_mb`), and
@@ -17,7 +18,8 @@ runs one phase of a step through the engine's own classes, each in a fresh proce
 The peak (`PeakMemory.peak_bytes()`) is written to out.json with the memory planner's
 estimate of the same quantity (`MemoryPlan.comparable_bytes`). `tiny` is
 ajet-tiny with the default job; `50m` the ~55M-parameter Qwen2 shape of
-`bench/train_memory_probe.py`. `--quick` shrinks the batches (smoke test only).
+`bench/train_memory_probe.py`. `--quick` shrinks the batches, and the smoke test runs
+all four in one process to save start-ups (so only the first peak means anything).
 """
 
 from __future__ import annotations
@@ -160,10 +162,12 @@ def measure(which: str, phase: str, workdir: Path, *, quick: bool) -> dict[str, 
 
 def main(argv: list[str]) -> None:
     quick = "--quick" in argv
-    which, phase, workdir, out = (a for a in argv if a != "--quick")
+    models, phases, workdir, out = (a for a in argv if a != "--quick")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    result = measure(which, phase, Path(workdir), quick=quick)
-    Path(out).write_text(json.dumps(result))
+    # several in one process only for the smoke test: then only the first peak is clean
+    results = [measure(which, phase, Path(workdir), quick=quick)
+               for which in models.split(",") for phase in phases.split(",")]
+    Path(out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

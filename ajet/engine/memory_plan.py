@@ -22,8 +22,8 @@ engine allocates (docs/distributed.md, "How the planner counts"; checked on CPU 
     runtime      CUDA context and allocator slack on GPUs; on CPU the pages torch's
                  kernels and the allocator keep after the first update
 
-The peak is the largest of four phases (forward, backward, optimizer step, generation),
-each the resident terms plus that phase's transients. The job fits when the peak is
+The peak is the largest of five phases (boot, forward, backward, optimizer step,
+generation), each the resident terms plus that phase's transients. The job fits when the peak is
 within the memory available (`detect_available`): the visible GPUs' memory from
 `nvidia-smi`, else the job's `gpu_memory_gb`; for `n_gpu: 0` the host's memory shared
 by the node's processes. A plan that does not fit names the smallest changes that do.
@@ -93,9 +93,11 @@ _SUGGESTED_LORA_RANK = 16
 #: Smallest micro-batch token budget suggested.
 _MIN_TOKEN_BUDGET = 1024
 
-PHASES = ("forward", "backward", "optimizer step", "generation")
+PHASES = ("boot", "forward", "backward", "optimizer step", "generation")
 _ALL = PHASES
 _UPDATE = ("forward", "backward")
+#: AdamW creates its moments in the first optimizer step: absent while the engine boots
+_TRAINING = PHASES[1:]
 
 
 def _size(n: int) -> str:
@@ -564,8 +566,13 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
     if not shared:
         terms.append(Term("trained weights (fp32 masters" + (", sharded)" if sharded else ")"),
                           per_rank((p + adapters) * _FP32), "state", _ALL))
+    if sharded and not job.on_gpu:
+        # each rank reads the whole checkpoint in fp32 before fully_shard keeps its slice;
+        # on GPUs that copy is in host memory, not on the device
+        terms.append(Term("full fp32 copy before sharding", (p + adapters) * _FP32,
+                          "transient", ("boot",)))
     terms.append(Term("AdamW moments (fp32" + (", sharded)" if sharded else ")"),
-                      per_rank(trainable * 2 * _FP32), "state", _ALL))
+                      per_rank(trainable * 2 * _FP32), "state", _TRAINING))
     if job.kl_coef > 0 and not lora:
         terms.append(Term(f"KL reference ({'bf16' if compute == 2 else 'fp32'})",
                           per_rank(p * compute), "state", _ALL))
