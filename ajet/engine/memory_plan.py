@@ -623,14 +623,21 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
         terms.append(Term("FSDP2 gathered parameters", gathered, "transient", _UPDATE))
         if not lora:
             head = shape.embedding_parameters  # tied or not: the head's weight
+            # GPUs reduce in fp32 (MixedPrecisionPolicy.reduce_dtype): a cast copy
+            reduce = compute + (_FP32 if job.on_gpu else 0)
             terms.append(Term("FSDP2 unsharded gradients (head, one layer)",
-                              compute * head + (compute + _FP32) * shape.layer_parameters,
+                              compute * head + reduce * shape.layer_parameters,
                               "transient", ("backward",)))
+    if sharded:
+        # publish() after the step: one parameter gathered whole in fp32 at a time
+        terms.append(Term("weights publish (largest parameter gathered, fp32)",
+                          shape.embedding_parameters * _FP32, "transient",
+                          ("optimizer step",)))
     # AdamW's step: foreach on GPUs (a sqrt of every second moment at once), one
     # parameter at a time on CPU (two temporaries of the largest)
     largest = shape.embedding_parameters if not lora else job.lora_rank * max(
         shape.intermediate_size, shape.vocab_size)  # an adapter's A or B, at most
-    step_temp = per_rank(trainable * _FP32) if job.on_gpu else 2 * largest * _FP32
+    step_temp = per_rank(trainable * _FP32) if job.on_gpu else 2 * per_rank(largest) * _FP32
     terms.append(Term("AdamW step temporaries", step_temp, "transient", ("optimizer step",)))
 
     terms += _generation_terms(job, shape, compute, backend)
