@@ -23,6 +23,9 @@ CONTROL = "control"  # control token only
 ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/health"): OPEN,
     ("POST", "/v1/chat/completions"): EPISODE_KEY,
+    ("POST", "/v1/completions"): EPISODE_KEY,
+    ("GET", "/v1/models"): EPISODE_KEY,
+    ("GET", "/v1/models/{model}"): EPISODE_KEY,
     ("GET", "/version"): READER,
     ("GET", "/get_engine_status"): READER,
     ("GET", "/runs"): READER,
