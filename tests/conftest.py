@@ -31,3 +31,11 @@ def secured_server(tmp_path: Path) -> Iterator[ServerHandle]:
 def ajet_repo(tmp_path: Path) -> Path:
     """A real git repo with a committed copy of the project's ajet/."""
     return make_ajet_repo(tmp_path / "repo")
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ajet-tiny fine-tuned to call get_weather (tests/tool_model.py), built once a session."""
+    from tests.tool_model import finetune_tool_model
+
+    return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")

@@ -94,12 +94,24 @@ def finetune_tool_model(target: Path, *, steps: int = 220, lr: float = 1.2e-2, b
                         seed: int = 0) -> Path:
     """Build ajet-tiny at `target` and fine-tune it to call get_weather (see module doc)."""
     import torch
+
+    if (target / "finetuned.json").is_file():
+        return target
+    threads = torch.get_num_threads()
+    # one thread: on a shared 2-core machine more threads only wait for each other
+    torch.set_num_threads(1)
+    try:
+        return _finetune(target, steps=steps, lr=lr, batch=batch, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _finetune(target: Path, *, steps: int, lr: float, batch: int, seed: int) -> Path:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ajet.engine.tiny import build_tiny_checkpoint
 
-    if (target / "finetuned.json").is_file():
-        return target
     build_tiny_checkpoint(target, seed=seed)
     tokenizer = AutoTokenizer.from_pretrained(target)
     # Sliding-window attention (every layer sees the last ATTENTION_WINDOW tokens): the

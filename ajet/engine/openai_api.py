@@ -66,8 +66,9 @@ __all__ = [
 CHAT_PARAMS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "stream",
                          "stream_options", "max_tokens", "max_completion_tokens", "stop",
                          "temperature", "top_p", "logprobs"})
+#: `logprobs` is honoured at 0 only (alternatives are not computed): see the route
 COMPLETION_PARAMS = frozenset({"prompt", "stream", "stream_options", "max_tokens", "stop",
-                               "temperature", "top_p", "logprobs"})
+                               "temperature", "top_p"})
 
 
 @dataclass
