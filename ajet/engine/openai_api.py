@@ -13,6 +13,7 @@ tools were offered, `tool_call_parse_error` and `tool_choice_unmet` (docs/api.md
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid as uuidlib
@@ -53,10 +54,12 @@ __all__ = [
     "ChatTurn",
     "ajet_field",
     "build_turn",
+    "ChatTooLarge",
     "check_prompt_length",
     "finish_reason",
     "finish_reply",
     "openai_router",
+    "read_body",
     "start_chat",
     "stream_error",
     "token_logprobs",
@@ -114,9 +117,10 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
         episode_uuid = _episode_header(x_episode_uuid)
-        raw = await request.body()
-        body = parse_body(raw, ChatCompletionRequest, accepted=CHAT_PARAMS)
-        fmt, generation, turn = start_chat(plane, episode_uuid, lambda f: prepare_chat(
+        raw = await read_body(request, plane)
+        body = await asyncio.to_thread(parse_body, raw, ChatCompletionRequest,
+                                       accepted=CHAT_PARAMS)
+        fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: prepare_chat(
             plane, f, episode_uuid, body), streaming=body.stream)
         logprobs = bool(body.logprobs)
         if body.stream:
@@ -133,13 +137,13 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
         episode_uuid = _episode_header(x_episode_uuid)
-        raw = await request.body()
-        body = parse_body(raw, CompletionRequest, accepted=COMPLETION_PARAMS,
-                          default_only={"logprobs": ((0,), "send logprobs=0 for the sampled "
-                                                     "tokens' log-probs; alternatives are "
-                                                     "not computed")})
-        fmt, generation, turn = start_chat(plane, episode_uuid, lambda f: _prepare_completion(
-            plane, f, episode_uuid, body), streaming=body.stream)
+        raw = await read_body(request, plane)
+        body = await asyncio.to_thread(
+            parse_body, raw, CompletionRequest, accepted=COMPLETION_PARAMS,
+            default_only={"logprobs": ((0,), "send logprobs=0 for the sampled tokens' "
+                                       "log-probs; alternatives are not computed")})
+        fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: (
+            _prepare_completion(plane, f, episode_uuid, body)), streaming=body.stream)
         logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -155,15 +159,35 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
 # ---------------------------------------------------------------------------- preparing
 
 
-def start_chat(plane: EpisodePlane, episode_uuid: str,
-               prepare: Callable[[ChatFormat], ChatTurn], *, streaming: bool
-               ) -> tuple[ChatFormat, Generation, ChatTurn]:
-    """Mark the episode busy, render, and queue the generation (shared by every API)."""
+async def read_body(request: Request, plane: EpisodePlane) -> bytes:
+    """The body, refused (413) past the chat size bound before any of it is parsed."""
+    limit = plane.cfg.max_chat_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ChatTooLarge(int(declared), limit, plane.cfg.max_prompt_length)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ChatTooLarge(size, limit, plane.cfg.max_prompt_length)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def start_chat(plane: EpisodePlane, episode_uuid: str,
+                     prepare: Callable[[ChatFormat], ChatTurn], *, streaming: bool
+                     ) -> tuple[ChatFormat, Generation, ChatTurn]:
+    """Mark the episode busy, render, and queue the generation (shared by every API).
+
+    Rendering and tokenising run in a worker thread: one episode's big chat never holds
+    the event loop that serves every other episode.
+    """
     fmt, inference = plane.serving()
     registry = plane.registry
     registry.chat_started(episode_uuid)  # 404/409 first: a closed episode is closed
     try:
-        turn = prepare(fmt)
+        turn = await asyncio.to_thread(prepare, fmt)
         generation = start_generation(registry, inference, episode_uuid, turn.ask,
                                       streaming=streaming)
     except BaseException:
@@ -449,6 +473,18 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+class ChatTooLarge(EpisodeError):
+    """413: the body is over the chat size bound (EngineConfig.max_chat_bytes)."""
+
+    status = 413
+
+    def __init__(self, size: int, limit: int, max_prompt_length: int) -> None:
+        super().__init__(
+            f"request body of {size} bytes is over this run's chat bound of {limit} bytes "
+            f"(derived from max_prompt_length={max_prompt_length}: docs/limits.md)",
+            "send a shorter conversation, or raise max_prompt_length in the job")
 
 
 class _ModelNotFound(EpisodeError):

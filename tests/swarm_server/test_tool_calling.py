@@ -9,6 +9,7 @@ a test can read its own metrics line.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +37,15 @@ pytestmark = pytest.mark.slow
 SYSTEM = "You are a weather agent. Use the tools."
 
 
+#: large, so that a chat can be big enough to take seconds to render and still be read
+MAX_PROMPT_LENGTH = 100_000
+
+
 def job_for(model: Path) -> AgentJetJob:
     # a low temperature: the fine-tuned model's argmax is the trained reply
     return AgentJetJob(model=str(model), batch_size=2, num_repeat=1, temperature=0.05,
-                       max_new_tokens=96, episode_timeout_s=120.0)
+                       max_new_tokens=96, episode_timeout_s=120.0,
+                       max_prompt_length=MAX_PROMPT_LENGTH)
 
 
 @pytest.fixture(scope="module")
@@ -345,3 +351,36 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     worker.report_episode(agent_episode.episode_uuid, "agents", 1.0)
     line = next_step(worker, before)
     assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
+
+
+def test_an_oversized_chat_is_refused_unread_and_a_big_one_never_stalls_another_episode(
+        server: ServerHandle, worker: SwarmClient) -> None:
+    big, small = begin(worker), begin(worker)
+    url = f"{big.openai_base_url}/chat/completions"
+    headers = {"Authorization": f"Bearer {big.openai_api_key}"}
+    bound = 8 * MAX_PROMPT_LENGTH + 64 * 1024  # docs/limits.md
+    # over the bound: refused from its size alone, before anything is parsed or tokenised
+    huge = json.dumps({"messages": [{"role": "user", "content": "x" * (15 << 20)}]})
+    r = httpx.post(url, content=huge, headers={**headers, "Content-Type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413 and f"{bound} bytes" in r.json()["error"]["message"]
+    assert r.json()["hint"]
+    # under the bound but over max_prompt_length: seconds of template rendering and
+    # tokenising, off the event loop, so the other episode's chat is answered meanwhile
+    order: list[str] = []
+
+    def send_big() -> None:
+        answer = httpx.post(url, headers=headers, timeout=120, json={
+            "messages": [{"role": "user", "content": "x" * (bound - 1000)}]})
+        order.append(f"big {answer.status_code}")
+
+    thread = threading.Thread(target=send_big)
+    thread.start()
+    time.sleep(0.5)  # the big body is in the engine
+    reply = oai(small).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    order.append(f"small {reply.choices[0].finish_reason}")
+    thread.join(120)
+    assert order[0].startswith("small") and order[1] == "big 400", order
+    worker.cancel_episode(big.episode_uuid)
+    worker.cancel_episode(small.episode_uuid)
