@@ -39,3 +39,14 @@ def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tool_model import finetune_tool_model
 
     return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerHandle]:
+    """A token-protected server whose engine serves `tool_model` (tool-calling tests)."""
+    from tests.support import rolling_server
+    from tests.tool_model import tool_job
+
+    with rolling_server(tmp_path_factory.mktemp("tools"), tool_job(tool_model)) as handle:
+        yield handle

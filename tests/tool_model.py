@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CALL_TEXT", "TOOL", "WEATHER_ANSWER", "WEATHER_QUESTION", "finetune_tool_model",
-           "history_after_call"]
+from ajet.client import SwarmClient
+from ajet.copilot.job import AgentJetJob
+
+__all__ = ["CALL_TEXT", "MAX_PROMPT_LENGTH", "SYSTEM", "TOOL", "WEATHER_ANSWER",
+           "WEATHER_QUESTION", "finetune_tool_model", "history_after_call", "last_step",
+           "next_step", "rendered", "tool_job"]
 
 WEATHER_QUESTION = "What is the weather in Paris?"
 WEATHER_ANSWER = "It is sunny in Paris."
@@ -154,3 +159,42 @@ def _finetune(target: Path, *, steps: int, lr: float, batch: int, seed: int) -> 
     model.save_pretrained(target)
     (target / "finetuned.json").write_text(json.dumps({"steps": steps, "loss": float(loss.detach())}))
     return target
+
+
+# ---------------------------------------------------------------------------- serving it
+
+SYSTEM = "You are a weather agent. Use the tools."
+#: large, so that a chat can be big enough to take seconds to render and still be read
+MAX_PROMPT_LENGTH = 100_000
+
+
+def tool_job(model: Path) -> AgentJetJob:
+    """The job the tool tests' server runs: one training step per two ended episodes."""
+    # a low temperature: the fine-tuned model's argmax is the trained reply
+    return AgentJetJob(model=str(model), batch_size=2, num_repeat=1, temperature=0.05,
+                       max_new_tokens=96, episode_timeout_s=120.0,
+                       max_prompt_length=MAX_PROMPT_LENGTH)
+
+
+def rendered(tokenizer: Any, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None) -> int:
+    """Prompt tokens of `messages` under the checkpoint's own template, rendered here."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    return len(ids)
+
+
+def last_step(worker: SwarmClient) -> int:
+    points = worker.get_metrics().points
+    return int(points[-1]["step"]) if points else 0
+
+
+def next_step(worker: SwarmClient, after: int, timeout: float = 60.0) -> dict[str, Any]:
+    """The first metrics line with step > `after`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        points = [p for p in worker.get_metrics().points if p["step"] > after]
+        if points:
+            return dict(points[0])
+        assert time.monotonic() < deadline, "no training step"
+        time.sleep(0.1)

@@ -5,8 +5,9 @@
                                 409 unless ROLLING
     POST /end_episode           EndEpisodeRequest -> EndEpisodeResponse; 404 unknown, 409 closed
     POST /abort_episode         AbortEpisodeRequest -> {"episode_uuid", "requeued"}
-    /v1/...                     the OpenAI-compatible routes (`openai_api`), header
-                                X-Episode-UUID: chat completions, completions, models
+    /v1/...                     the OpenAI-compatible routes, header X-Episode-UUID: chat
+                                completions, completions, models (`openai_api`) and
+                                responses (`responses_api`)
 
 Errors are `{"detail", "hint"}` like the public API, plus `param` (the request field at
 fault) where one is named; the swarm server turns them into OpenAI's shape on `/v1/*`.
@@ -33,6 +34,7 @@ from ajet.engine.episodes import EpisodeError, EpisodeRegistry
 from ajet.engine.inference import InferenceService
 from ajet.engine.openai_api import openai_router
 from ajet.engine.policy import Policy
+from ajet.engine.responses_api import responses_router
 from ajet.engine.serving import EngineUnavailable
 from ajet.protocol import (
     AbortEpisodeRequest,
@@ -121,6 +123,7 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
         return {"episode_uuid": body.episode_uuid, "requeued": requeued}
 
     app.include_router(openai_router(plane))
+    app.include_router(responses_router(plane))
     return app
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "build_turn",
     "ChatTooLarge",
     "check_prompt_length",
+    "episode_header",
     "finish_reason",
     "finish_reply",
     "openai_router",
@@ -116,7 +117,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
-        episode_uuid = _episode_header(x_episode_uuid)
+        episode_uuid = episode_header(x_episode_uuid)
         raw = await read_body(request, plane)
         body = await asyncio.to_thread(parse_body, raw, ChatCompletionRequest,
                                        accepted=CHAT_PARAMS)
@@ -136,7 +137,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
-        episode_uuid = _episode_header(x_episode_uuid)
+        episode_uuid = episode_header(x_episode_uuid)
         raw = await read_body(request, plane)
         body = await asyncio.to_thread(
             parse_body, raw, CompletionRequest, accepted=COMPLETION_PARAMS,
@@ -500,7 +501,7 @@ def _model_card(plane: EpisodePlane) -> dict[str, Any]:
             "owned_by": "agentjet"}
 
 
-def _episode_header(value: str | None) -> str:
+def episode_header(value: str | None) -> str:
     if not value:
         raise BadRequest("missing X-Episode-UUID header",
                          "chat through the swarm server with the episode's API key")

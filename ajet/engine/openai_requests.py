@@ -33,6 +33,7 @@ __all__ = [
     "BadRequest",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "RequestBody",
     "Sampling",
     "ToolChoice",
     "check_parameters",
@@ -69,36 +70,36 @@ class InvalidBody(EpisodeError):
 # ---------------------------------------------------------------------------- bodies
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
     # parameters are checked by `check_parameters` before validation; the rest of the
     # body is kept (extra="allow") so no field is lost between the two
     model_config = ConfigDict(extra="allow")
 
 
-class FunctionDef(_Body):
+class FunctionDef(RequestBody):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Body):
+class ToolDef(RequestBody):
     type: Literal["function"]
     function: FunctionDef
 
 
-class CallFunction(_Body):
+class CallFunction(RequestBody):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCallIn(_Body):
+class ToolCallIn(RequestBody):
     id: str | None = None
     type: Literal["function"] = "function"
     function: CallFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -106,7 +107,7 @@ class ChatMessage(_Body):
     tool_call_id: str | None = None
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(RequestBody):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDef] | None = Field(default=None, max_length=256)
@@ -122,7 +123,7 @@ class ChatCompletionRequest(_Body):
     logprobs: bool | None = None
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(RequestBody):
     model: str | None = None
     #: one prompt: text, or token ids
     prompt: str | list[str] | list[int]

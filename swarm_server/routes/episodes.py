@@ -101,6 +101,21 @@ async def completions(
     return await _forward(ctx, request, authorization, "/v1/completions")
 
 
+@router.post(
+    "/v1/responses", responses=_OPENAI_ERRORS, response_model=None,
+    openapi_extra=_openai_body("OpenAI Responses body, stateless (docs/api.md)", ["input"], {
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"}, "tools": {"type": "array",
+                                                      "items": {"type": "object"}},
+        "stream": {"type": "boolean"}, "max_output_tokens": {"type": "integer"}}),
+)
+async def responses(
+    ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """OpenAI Responses API for one episode: stateless, recorded exactly like chat."""
+    return await _forward(ctx, request, authorization, "/v1/responses")
+
+
 @router.get("/v1/models", responses=_ERRORS, response_model=None)
 async def list_models(
     ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,

@@ -1,9 +1,9 @@
 """Tool-using agents on the episode plane, with the real clients against a real server.
 
-The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/tool_model.py), so
-every tool call here is a real model output parsed by the engine. Each test ends exactly
-two episodes (batch_size=2, num_repeat=1: one training step per test) or aborts them, so
-a test can read its own metrics line.
+The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/tool_model.py, the
+session's `tool_server`), so every tool call here is a real model output parsed by the
+engine. Each test ends exactly two episodes (batch_size=2, num_repeat=1: one training
+step per test) or aborts them, so a test can read its own metrics line.
 """
 
 from __future__ import annotations
@@ -20,39 +20,28 @@ import openai
 import pytest
 
 from ajet.client import SwarmClient
-from ajet.copilot.job import AgentJetJob
 from ajet.protocol import BeginEpisodeResponse
-from tests.support import WORKER_TOKEN, ServerHandle, rolling_server
+from tests.support import WORKER_TOKEN, ServerHandle
 from tests.swarm_server.test_episodes import begin
 from tests.tool_model import (
     CALL_TEXT,
+    MAX_PROMPT_LENGTH,
+    SYSTEM,
     TOOL,
     WEATHER_ANSWER,
     WEATHER_QUESTION,
     history_after_call,
+    last_step,
+    next_step,
+    rendered,
 )
 
 pytestmark = pytest.mark.slow
 
-SYSTEM = "You are a weather agent. Use the tools."
-
-
-#: large, so that a chat can be big enough to take seconds to render and still be read
-MAX_PROMPT_LENGTH = 100_000
-
-
-def job_for(model: Path) -> AgentJetJob:
-    # a low temperature: the fine-tuned model's argmax is the trained reply
-    return AgentJetJob(model=str(model), batch_size=2, num_repeat=1, temperature=0.05,
-                       max_new_tokens=96, episode_timeout_s=120.0,
-                       max_prompt_length=MAX_PROMPT_LENGTH)
-
 
 @pytest.fixture(scope="module")
-def server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
-           ) -> Iterator[ServerHandle]:
-    with rolling_server(tmp_path_factory.mktemp("tools"), job_for(tool_model)) as handle:
-        yield handle
+def server(tool_server: ServerHandle) -> ServerHandle:
+    return tool_server
 
 
 @pytest.fixture(scope="module")
@@ -71,30 +60,6 @@ def tokenizer(tool_model: Path) -> Any:
 def oai(episode: BeginEpisodeResponse) -> openai.OpenAI:
     return openai.OpenAI(base_url=episode.openai_base_url, api_key=episode.openai_api_key,
                          max_retries=0)
-
-
-def rendered(tokenizer: Any, messages: list[dict[str, Any]],
-             tools: list[dict[str, Any]] | None = None) -> int:
-    """Prompt tokens of `messages` under the checkpoint's own template, rendered here."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                        tokenize=True, return_dict=True)["input_ids"]
-    return len(ids)
-
-
-def next_step(worker: SwarmClient, after: int, timeout: float = 60.0) -> dict[str, Any]:
-    """The first metrics line with step > `after`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        points = [p for p in worker.get_metrics().points if p["step"] > after]
-        if points:
-            return points[0]
-        assert time.monotonic() < deadline, "no training step"
-        time.sleep(0.1)
-
-
-def last_step(worker: SwarmClient) -> int:
-    points = worker.get_metrics().points
-    return points[-1]["step"] if points else 0
 
 
 def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
