@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from ajet.client import SwarmClient
 
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 
@@ -50,3 +53,17 @@ def tool_server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
 
     with rolling_server(tmp_path_factory.mktemp("tools"), tool_job(tool_model)) as handle:
         yield handle
+
+
+@pytest.fixture(scope="session")
+def tool_worker(tool_server: ServerHandle) -> Iterator[SwarmClient]:
+    with SwarmClient(tool_server.url, token=WORKER_TOKEN, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tool_model: Path) -> Any:
+    """The tool model's tokenizer, to render expected prompts in the test process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tool_model)

@@ -15,12 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import openai
+
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
+from ajet.protocol import BeginEpisodeResponse
 
-__all__ = ["CALL_TEXT", "MAX_PROMPT_LENGTH", "SYSTEM", "TOOL", "WEATHER_ANSWER",
-           "WEATHER_QUESTION", "finetune_tool_model", "history_after_call", "last_step",
-           "next_step", "rendered", "tool_job"]
+__all__ = ["CALLS", "CALL_TEXT", "MAX_PROMPT_LENGTH", "SYSTEM", "TOOL", "WEATHER_ANSWER",
+           "WEATHER_QUESTION", "finetune_tool_model", "get_weather", "history_after_call",
+           "last_step", "next_step", "oai", "rendered", "tool_job"]
 
 WEATHER_QUESTION = "What is the weather in Paris?"
 WEATHER_ANSWER = "It is sunny in Paris."
@@ -198,3 +201,19 @@ def next_step(worker: SwarmClient, after: int, timeout: float = 60.0) -> dict[st
             return dict(points[0])
         assert time.monotonic() < deadline, "no training step"
         time.sleep(0.1)
+
+
+def oai(episode: BeginEpisodeResponse) -> openai.OpenAI:
+    """The plain openai client on an episode's endpoint."""
+    return openai.OpenAI(base_url=episode.openai_base_url, api_key=episode.openai_api_key,
+                         max_retries=0)
+
+
+#: cities `get_weather` was called with (the agent frameworks run it on the model's call)
+CALLS: list[str] = []
+
+
+def get_weather(city: str) -> str:
+    """Get the weather of a city."""
+    CALLS.append(city)
+    return TOOL_RESULT

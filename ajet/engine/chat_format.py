@@ -45,6 +45,8 @@ __all__ = [
     "RenderedPrompt",
     "ToolCall",
     "new_call_id",
+    "normalize_messages",
+    "text_content",
 ]
 
 log = logging.getLogger(__name__)
@@ -260,7 +262,8 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     for index, message in enumerate(messages):
         role = message.get("role")
         out: dict[str, Any] = {"role": "system" if role == "developer" else role,
-                               "content": _text(message.get("content"), index)}
+                               "content": text_content(message.get("content"),
+                                                       param=f"messages[{index}].content")}
         if role == "assistant" and message.get("tool_calls"):
             calls = []
             for call in message["tool_calls"]:
@@ -279,18 +282,22 @@ def normalize_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any
     return chat
 
 
-def _text(content: Any, index: int) -> str:
+def text_content(content: Any, *, param: str) -> str:
+    """A message's text: a string, or text parts joined (`param` names it in errors)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise FormatError("content is neither text nor a list of parts", "send text",
+                          param=param)
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("text", "input_text", "output_text") or not isinstance(
                 part.get("text"), str):
             raise FormatError(f"content part of type {kind!r} is not supported",
-                              "send text content only", param=f"messages[{index}].content")
+                              "send text content only", param=param)
         parts.append(part["text"])
     return "".join(parts)
 

@@ -17,12 +17,13 @@ import asyncio
 import json
 import time
 import uuid as uuidlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
 
 from ajet.engine.chat_format import (
     ChatFormat,
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatTurn",
+    "accept_body",
     "ajet_field",
     "build_turn",
     "ChatTooLarge",
@@ -61,11 +63,14 @@ __all__ = [
     "finish_reply",
     "openai_router",
     "read_body",
+    "reply_events",
     "start_chat",
     "stream_error",
     "token_logprobs",
     "usage",
 ]
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
 
 CHAT_PARAMS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "stream",
                          "stream_options", "max_tokens", "max_completion_tokens", "stop",
@@ -117,10 +122,8 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
-        episode_uuid = episode_header(x_episode_uuid)
-        raw = await read_body(request, plane)
-        body = await asyncio.to_thread(parse_body, raw, ChatCompletionRequest,
-                                       accepted=CHAT_PARAMS)
+        episode_uuid, body = await accept_body(plane, request, x_episode_uuid,
+                                               ChatCompletionRequest, accepted=CHAT_PARAMS)
         fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: prepare_chat(
             plane, f, episode_uuid, body), streaming=body.stream)
         logprobs = bool(body.logprobs)
@@ -137,10 +140,8 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
-        episode_uuid = episode_header(x_episode_uuid)
-        raw = await read_body(request, plane)
-        body = await asyncio.to_thread(
-            parse_body, raw, CompletionRequest, accepted=COMPLETION_PARAMS,
+        episode_uuid, body = await accept_body(
+            plane, request, x_episode_uuid, CompletionRequest, accepted=COMPLETION_PARAMS,
             default_only={"logprobs": ((0,), "send logprobs=0 for the sampled tokens' "
                                        "log-probs; alternatives are not computed")})
         fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: (
@@ -158,6 +159,22 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
 
 
 # ---------------------------------------------------------------------------- preparing
+
+
+async def accept_body(plane: EpisodePlane, request: Request, x_episode_uuid: str | None,
+                      model: type[BodyT], *, accepted: frozenset[str],
+                      default_only: Mapping[str, tuple[tuple[Any, ...], str]] | None = None
+                      ) -> tuple[str, BodyT]:
+    """The episode and the checked body of a `/v1/*` POST.
+
+    The size bound holds before anything is read whole; JSON parsing and the parameter
+    check run in a worker thread, off the event loop.
+    """
+    episode_uuid = episode_header(x_episode_uuid)
+    raw = await read_body(request, plane)
+    body = await asyncio.to_thread(parse_body, raw, model, accepted=accepted,
+                                   default_only=default_only)
+    return episode_uuid, body
 
 
 async def read_body(request: Request, plane: EpisodePlane) -> bytes:
@@ -368,11 +385,38 @@ def _chat_body(plane: EpisodePlane, turn: ChatTurn, result: GenerationResult,
     }
 
 
+async def reply_events(fmt: ChatFormat, generation: Generation, turn: ChatTurn
+                       ) -> AsyncIterator[tuple[str, Any]]:
+    """A streamed chat-shaped reply, for any API's stream.
+
+    `("content", text)` as content can be shown (held back where a tool call may begin),
+    then `("done", (result, reply))` once the reply is parsed and recorded, or
+    `("error", EpisodeError)` if the episode closed meanwhile.
+    """
+    stream = turn.content_stream(fmt)
+    while True:
+        kind, payload = await generation.next_event()
+        if kind == "delta":
+            text = stream.feed(payload) if stream is not None else payload
+            if text:
+                yield "content", text
+            continue
+        result: GenerationResult = payload
+        try:
+            reply = finish_reply(fmt, generation, turn, result)
+        except EpisodeError as exc:
+            yield "error", exc
+            return
+        if stream is not None and (rest := stream.rest(reply, result.text)):
+            yield "content", rest
+        yield "done", (result, reply)
+        return
+
+
 async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generation,
                        turn: ChatTurn, *, logprobs: bool, include_usage: bool
                        ) -> AsyncIterator[bytes]:
     chunk_id, created = f"chatcmpl-{uuidlib.uuid4().hex}", int(time.time())
-    stream = turn.content_stream(fmt)
 
     def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         return _event({"id": chunk_id, "object": "chat.completion.chunk", "created": created,
@@ -382,22 +426,13 @@ async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generat
 
     try:
         yield chunk({"role": "assistant", "content": ""})
-        while True:
-            kind, payload = await generation.next_event()
-            if kind == "delta":
-                text = stream.feed(payload) if stream is not None else payload
-                if text:
-                    yield chunk({"content": text})
-                continue
-            result: GenerationResult = payload
-            try:
-                reply = finish_reply(fmt, generation, turn, result)
-            except EpisodeError as exc:
-                yield stream_error(exc)
-                break
-            if stream is not None:
-                if rest := stream.rest(reply, result.text):
-                    yield chunk({"content": rest})
+        async for kind, payload in reply_events(fmt, generation, turn):
+            if kind == "content":
+                yield chunk({"content": payload})
+            elif kind == "error":
+                yield stream_error(payload)
+            else:
+                result, reply = payload
                 for index, call in enumerate(reply.tool_calls):
                     yield chunk({"tool_calls": [{"index": index, "id": call.id,
                                                  "type": "function",
@@ -405,13 +440,13 @@ async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generat
                                                               "arguments": ""}}]})
                     yield chunk({"tool_calls": [{"index": index,
                                                  "function": {"arguments": call.arguments}}]})
-            lp = {"content": token_logprobs(fmt, result)} if logprobs else None
-            yield chunk({}, finish_reason(result, reply), logprobs=lp, ajet=ajet_field(turn))
-            if include_usage:
-                yield _event({"id": chunk_id, "object": "chat.completion.chunk",
-                              "created": created, "model": turn.model_name, "choices": [],
-                              "usage": usage(result)})
-            break
+                lp = {"content": token_logprobs(fmt, result)} if logprobs else None
+                yield chunk({}, finish_reason(result, reply), logprobs=lp,
+                            ajet=ajet_field(turn))
+                if include_usage:
+                    yield _event({"id": chunk_id, "object": "chat.completion.chunk",
+                                  "created": created, "model": turn.model_name, "choices": [],
+                                  "usage": usage(result)})
         yield b"data: [DONE]\n\n"
     finally:
         generation.release()  # a no-op once recorded; the client may have gone away

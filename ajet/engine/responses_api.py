@@ -20,7 +20,6 @@ or tools not served here, and are refused by name.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid as uuidlib
@@ -31,16 +30,15 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from ajet.engine.chat_format import ChatFormat, ParsedReply
-from ajet.engine.episodes import EpisodeError
+from ajet.engine.chat_format import ChatFormat, FormatError, ParsedReply, text_content
 from ajet.engine.inference import GenerationResult
 from ajet.engine.openai_api import (
     ChatTurn,
+    accept_body,
     ajet_field,
     build_turn,
-    episode_header,
     finish_reply,
-    read_body,
+    reply_events,
     start_chat,
     stream_error,
     token_logprobs,
@@ -48,7 +46,6 @@ from ajet.engine.openai_api import (
 from ajet.engine.openai_requests import (
     BadRequest,
     RequestBody,
-    parse_body,
     resolve_max_tokens,
     resolve_tool_choice,
 )
@@ -102,11 +99,9 @@ def responses_router(plane: EpisodePlane) -> APIRouter:
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
-        episode_uuid = episode_header(x_episode_uuid)
-        raw = await read_body(request, plane)
-        body = await asyncio.to_thread(parse_body, raw, ResponsesRequest,
-                                       accepted=RESPONSES_PARAMS,
-                                       default_only=_RESPONSES_DEFAULT_ONLY)
+        episode_uuid, body = await accept_body(plane, request, x_episode_uuid, ResponsesRequest,
+                                               accepted=RESPONSES_PARAMS,
+                                               default_only=_RESPONSES_DEFAULT_ONLY)
         logprobs = _check_include(body.include)
         fmt, generation, turn = await start_chat(
             plane, episode_uuid, lambda f: _prepare(plane, f, episode_uuid, body),
@@ -204,20 +199,10 @@ def responses_to_messages(instructions: str | None, items: str | list[dict[str, 
 
 
 def _text(content: Any, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise BadRequest(f"input[{index}] content is neither text nor parts",
-                         "send text parts", param=f"input[{index}].content")
-    parts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(
-                part.get("text"), str):
-            raise BadRequest(f"input[{index}] has a content part of type {kind!r}",
-                             "send text only", param=f"input[{index}].content")
-        parts.append(part["text"])
-    return "".join(parts)
+    try:
+        return text_content(content, param=f"input[{index}].content")
+    except FormatError as exc:
+        raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
 
 
 # ---------------------------------------------------------------------------- output
@@ -313,26 +298,18 @@ async def _stream(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
                             output_index=len(output), content_index=0, delta=delta,
                             logprobs=[])]
 
-    stream = turn.content_stream(fmt)
     try:
         yield event("response.created", response=snapshot())
         yield event("response.in_progress", response=snapshot())
-        while True:
-            kind, payload = await generation.next_event()
-            if kind == "delta":
-                delta = stream.feed(payload) if stream is not None else payload
-                for chunk in text_delta(delta) if delta else []:
+        async for kind, payload in reply_events(fmt, generation, turn):
+            if kind == "content":
+                for chunk in text_delta(payload):
                     yield chunk
                 continue
-            result: GenerationResult = payload
-            try:
-                reply = finish_reply(fmt, generation, turn, result)
-            except EpisodeError as exc:
-                yield stream_error(exc)
+            if kind == "error":
+                yield stream_error(payload)
                 break
-            rest = stream.rest(reply, result.text) if stream is not None else ""
-            for chunk in text_delta(rest) if rest else []:
-                yield chunk
+            result, reply = payload
             if not message_open and not reply.tool_calls:
                 for chunk in open_message():  # an empty reply is an empty message
                     yield chunk

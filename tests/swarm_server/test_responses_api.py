@@ -8,25 +8,24 @@ training step) or cancels them.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
 from ajet.client import SwarmClient
-from ajet.protocol import BeginEpisodeResponse
-from tests.support import WORKER_TOKEN, ServerHandle
 from tests.swarm_server.test_episodes import begin
 from tests.tool_model import (
     CALL_TEXT,
+    CALLS,
     SYSTEM,
     TOOL,
     WEATHER_ANSWER,
     WEATHER_QUESTION,
+    get_weather,
     last_step,
     next_step,
+    oai,
     rendered,
 )
 
@@ -37,28 +36,10 @@ FUNCTION = {"type": "function", **TOOL["function"]}
 LOGPROBS = ["message.output_text.logprobs"]
 
 
-@pytest.fixture(scope="module")
-def worker(tool_server: ServerHandle) -> Iterator[SwarmClient]:
-    with SwarmClient(tool_server.url, token=WORKER_TOKEN, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tool_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tool_model)
-
-
-def oai(episode: BeginEpisodeResponse) -> openai.OpenAI:
-    return openai.OpenAI(base_url=episode.openai_base_url, api_key=episode.openai_api_key,
-                         max_retries=0)
-
-
 def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
-        worker: SwarmClient, tokenizer: Any) -> None:
-    before = last_step(worker)
-    episode = begin(worker)
+        tool_worker: SwarmClient, tool_tokenizer: Any) -> None:
+    before = last_step(tool_worker)
+    episode = begin(tool_worker)
     client = oai(episode)
     called = client.responses.create(model="gpt-4.1", instructions=SYSTEM,
                                      input=WEATHER_QUESTION, tools=[FUNCTION],
@@ -69,7 +50,7 @@ def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
     assert call.call_id.startswith("call_") and json.loads(call.arguments) == {"city": "Paris"}
     question = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": WEATHER_QUESTION}]
-    assert called.usage.input_tokens == rendered(tokenizer, question, [TOOL])
+    assert called.usage.input_tokens == rendered(tool_tokenizer, question, [TOOL])
     assert called.usage.output_tokens == len(CALL_TEXT) + 1
     # the follow-up: the function call and its output as input items
     items: list[Any] = [{"role": "user", "content": WEATHER_QUESTION},
@@ -92,7 +73,7 @@ def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
         t.token for t in answer.output[0].content[0].logprobs]
 
     # streaming, with the events clients read
-    second = begin(worker)
+    second = begin(tool_worker)
     events = list(oai(second).responses.create(model="m", instructions=SYSTEM,
                                                input=WEATHER_QUESTION, tools=[FUNCTION],
                                                max_output_tokens=96, stream=True))
@@ -112,9 +93,9 @@ def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
     assert incomplete.status == "incomplete"
     assert incomplete.incomplete_details.reason == "max_output_tokens"
 
-    worker.report_episode(episode.episode_uuid, "responses", 1.0)
-    worker.report_episode(second.episode_uuid, "responses-stream", 0.0)
-    line = next_step(worker, before)
+    tool_worker.report_episode(episode.episode_uuid, "responses", 1.0)
+    tool_worker.report_episode(second.episode_uuid, "responses-stream", 0.0)
+    line = next_step(tool_worker, before)
     assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
 
 
@@ -130,8 +111,8 @@ STATEFUL: list[tuple[str, dict[str, Any]]] = [
 ]
 
 
-def test_fields_that_need_state_get_a_400_naming_them(worker: SwarmClient) -> None:
-    episode = begin(worker)
+def test_fields_that_need_state_get_a_400_naming_them(tool_worker: SwarmClient) -> None:
+    episode = begin(tool_worker)
     client = oai(episode)
     for param, extra in STATEFUL:
         kwargs: dict[str, Any] = {"model": "m", "input": "hi", **extra}
@@ -139,20 +120,11 @@ def test_fields_that_need_state_get_a_400_naming_them(worker: SwarmClient) -> No
             client.responses.create(**kwargs)
         assert info.value.body["param"] == param, (param, info.value.body)
         assert "hint:" in info.value.body["message"]
-    worker.cancel_episode(episode.episode_uuid)
-
-
-def get_weather(city: str) -> str:
-    """Get the weather of a city."""
-    CALLS.append(city)
-    return "sunny, 24 C"
-
-
-CALLS: list[str] = []
+    tool_worker.cancel_episode(episode.episode_uuid)
 
 
 def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
-        worker: SwarmClient) -> None:
+        tool_worker: SwarmClient) -> None:
     from agents import (
         Agent,
         ModelSettings,
@@ -164,9 +136,9 @@ def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    before = last_step(worker)
+    before = last_step(tool_worker)
     set_tracing_disabled(True)  # else traces, with the episode key, go to OpenAI
-    agent_episode = begin(worker)
+    agent_episode = begin(tool_worker)
     agent = Agent(
         name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
         model=OpenAIResponsesModel(model="ajet", openai_client=openai.AsyncOpenAI(
@@ -177,7 +149,7 @@ def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
     result = Runner.run_sync(agent, WEATHER_QUESTION)
     assert CALLS == ["Paris"] and result.final_output == WEATHER_ANSWER
 
-    lc_episode = begin(worker)
+    lc_episode = begin(tool_worker)
     llm = ChatOpenAI(base_url=lc_episode.openai_base_url, api_key=lc_episode.openai_api_key,
                      model="ajet", max_tokens=96, max_retries=0,
                      use_responses_api=True).bind_tools([get_weather])
@@ -189,7 +161,7 @@ def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
     answer = llm.invoke(history)
     assert answer.text == WEATHER_ANSWER and not answer.tool_calls
 
-    worker.report_episode(agent_episode.episode_uuid, "agents-responses", 1.0)
-    worker.report_episode(lc_episode.episode_uuid, "langchain-responses", 1.0)
-    line = next_step(worker, before)
+    tool_worker.report_episode(agent_episode.episode_uuid, "agents-responses", 1.0)
+    tool_worker.report_episode(lc_episode.episode_uuid, "langchain-responses", 1.0)
+    line = next_step(tool_worker, before)
     assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0

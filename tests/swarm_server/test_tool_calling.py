@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,52 +18,32 @@ import openai
 import pytest
 
 from ajet.client import SwarmClient
-from ajet.protocol import BeginEpisodeResponse
 from tests.support import WORKER_TOKEN, ServerHandle
 from tests.swarm_server.test_episodes import begin
 from tests.tool_model import (
     CALL_TEXT,
+    CALLS,
     MAX_PROMPT_LENGTH,
     SYSTEM,
     TOOL,
     WEATHER_ANSWER,
     WEATHER_QUESTION,
+    get_weather,
     history_after_call,
     last_step,
     next_step,
+    oai,
     rendered,
 )
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def server(tool_server: ServerHandle) -> ServerHandle:
-    return tool_server
-
-
-@pytest.fixture(scope="module")
-def worker(server: ServerHandle) -> Iterator[SwarmClient]:
-    with SwarmClient(server.url, token=WORKER_TOKEN, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tool_model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tool_model)
-
-
-def oai(episode: BeginEpisodeResponse) -> openai.OpenAI:
-    return openai.OpenAI(base_url=episode.openai_base_url, api_key=episode.openai_api_key,
-                         max_retries=0)
-
-
 def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
-        server: ServerHandle, worker: SwarmClient, tokenizer: Any) -> None:
-    before = last_step(worker)
-    first = begin(worker)
+        tool_server: ServerHandle, tool_worker: SwarmClient,
+        tool_tokenizer: Any) -> None:
+    before = last_step(tool_worker)
+    first = begin(tool_worker)
     client = oai(first)
     question = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": WEATHER_QUESTION}]
@@ -78,8 +56,8 @@ def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris"}
     # the tool's schema reached the prompt: the prompt is the template's rendering with it
-    assert reply.usage.prompt_tokens == rendered(tokenizer, question, [TOOL])
-    assert reply.usage.prompt_tokens >= (rendered(tokenizer, question)
+    assert reply.usage.prompt_tokens == rendered(tool_tokenizer, question, [TOOL])
+    assert reply.usage.prompt_tokens >= (rendered(tool_tokenizer, question)
                                          + len(json.dumps(TOOL["function"]["parameters"])))
     # logprobs: one per recorded token (the call's text and the end-of-turn token)
     lp = choice.logprobs.content
@@ -94,10 +72,10 @@ def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
                                             max_tokens=96)
     assert answer.choices[0].message.content == WEATHER_ANSWER
     assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
-    assert answer.usage.prompt_tokens == rendered(tokenizer, follow, [TOOL])
+    assert answer.usage.prompt_tokens == rendered(tool_tokenizer, follow, [TOOL])
 
     # streaming: OpenAI's tool-call deltas, no content
-    second = begin(worker)
+    second = begin(tool_worker)
     stream = oai(second).chat.completions.create(
         model="x", messages=question, tools=[TOOL], stream=True, max_tokens=96,
         stream_options={"include_usage": True})
@@ -110,9 +88,9 @@ def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     streamed_tokens = [c.usage for c in chunks if c.usage][0].completion_tokens
 
-    worker.report_episode(first.episode_uuid, "weather", 1.0)
-    worker.report_episode(second.episode_uuid, "weather-stream", 0.0)
-    line = next_step(worker, before)
+    tool_worker.report_episode(first.episode_uuid, "weather", 1.0)
+    tool_worker.report_episode(second.episode_uuid, "weather-stream", 0.0)
+    line = next_step(tool_worker, before)
     assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
     # every recorded response token is trained on: the calls, the answer, the stream
     recorded = reply.usage.completion_tokens + answer.usage.completion_tokens + streamed_tokens
@@ -120,9 +98,9 @@ def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
 
 
 def test_a_malformed_call_comes_back_as_content_and_is_counted(
-        server: ServerHandle, worker: SwarmClient) -> None:
-    before = last_step(worker)
-    episodes = [begin(worker), begin(worker)]
+        tool_server: ServerHandle, tool_worker: SwarmClient) -> None:
+    before = last_step(tool_worker)
+    episodes = [begin(tool_worker), begin(tool_worker)]
     question = [{"role": "user", "content": WEATHER_QUESTION}]
     # the model's call, cut by max_tokens: a <tool_call> block that never closes
     cut = oai(episodes[0]).chat.completions.create(model="m", messages=question,
@@ -136,20 +114,20 @@ def test_a_malformed_call_comes_back_as_content_and_is_counted(
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == CALL_TEXT[:20]
     for episode in episodes:
-        worker.report_episode(episode.episode_uuid, "malformed", 0.5)
-    assert next_step(worker, before)["tool_call_parse_errors"] == 2
+        tool_worker.report_episode(episode.episode_uuid, "malformed", 0.5)
+    assert next_step(tool_worker, before)["tool_call_parse_errors"] == 2
 
 
-def test_tool_choice_none_required_named_and_parallel(server: ServerHandle,
-                                                      worker: SwarmClient,
-                                                      tokenizer: Any) -> None:
-    episode = begin(worker)
+def test_tool_choice_none_required_named_and_parallel(tool_server: ServerHandle,
+                                                      tool_worker: SwarmClient,
+                                                      tool_tokenizer: Any) -> None:
+    episode = begin(tool_worker)
     client = oai(episode)
     question = [{"role": "user", "content": WEATHER_QUESTION}]
     # none: the tools are not rendered and the reply is not parsed into calls
     plain = client.chat.completions.create(model="m", messages=question, tools=[TOOL],
                                            tool_choice="none", max_tokens=8)
-    assert plain.usage.prompt_tokens == rendered(tokenizer, question)
+    assert plain.usage.prompt_tokens == rendered(tool_tokenizer, question)
     assert not plain.choices[0].message.tool_calls
     named = client.chat.completions.create(
         model="m", messages=question, tools=[TOOL], max_tokens=96, parallel_tool_calls=False,
@@ -166,7 +144,7 @@ def test_tool_choice_none_required_named_and_parallel(server: ServerHandle,
                                        tool_choice={"type": "function",
                                                     "function": {"name": "nope"}})
     assert info.value.body["param"] == "tool_choice"
-    worker.cancel_episode(episode.episode_uuid)
+    tool_worker.cancel_episode(episode.episode_uuid)
 
 
 REFUSED: list[tuple[str, dict[str, Any]]] = [
@@ -185,8 +163,8 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [
 
 
 def test_parameters_that_cannot_be_honoured_get_an_openai_400_naming_them(
-        server: ServerHandle, worker: SwarmClient) -> None:
-    episode = begin(worker)
+        tool_server: ServerHandle, tool_worker: SwarmClient) -> None:
+    episode = begin(tool_worker)
     client = oai(episode)
     messages = [{"role": "user", "content": "hi"}]
     for name, extra in REFUSED:
@@ -204,24 +182,25 @@ def test_parameters_that_cannot_be_honoured_get_an_openai_400_naming_them(
         presence_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u",
         metadata={"k": "v"}, store=False, service_tier="auto", top_logprobs=0,
         temperature=0.7, top_p=0.9, stream_options=None)
-    assert ok.model == server_model(server)
+    assert ok.model == server_model(tool_server)
     assert ok.model_extra["ajet"]["episode_type"] == "train"
     assert ok.model_extra["ajet"]["ignored"] == ["temperature", "top_p"]
-    worker.cancel_episode(episode.episode_uuid)
+    tool_worker.cancel_episode(episode.episode_uuid)
 
 
-def server_model(server: ServerHandle) -> str:
-    job = httpx.get(f"{server.url}/sync_train_config",
+def server_model(tool_server: ServerHandle) -> str:
+    job = httpx.get(f"{tool_server.url}/sync_train_config",
                     headers={"Authorization": f"Bearer {WORKER_TOKEN}"}).json()
     return str(job["config"]["model"])
 
 
-def test_models_completions_and_error_shapes(server: ServerHandle, worker: SwarmClient,
-                                             tokenizer: Any) -> None:
-    before = last_step(worker)
-    episodes = [begin(worker), begin(worker)]
+def test_models_completions_and_error_shapes(tool_server: ServerHandle,
+                                             tool_worker: SwarmClient,
+                                             tool_tokenizer: Any) -> None:
+    before = last_step(tool_worker)
+    episodes = [begin(tool_worker), begin(tool_worker)]
     client = oai(episodes[0])
-    model = server_model(server)
+    model = server_model(tool_server)
     assert [m.id for m in client.models.list().data] == [model]
     assert client.models.retrieve(model).id == model
     with pytest.raises(openai.NotFoundError, match="any model name works"):
@@ -229,7 +208,7 @@ def test_models_completions_and_error_shapes(server: ServerHandle, worker: Swarm
     prompt = "<|im_start|>user\nWhat is the weather?<|im_end|>\n<|im_start|>assistant\n"
     text = client.completions.create(model="m", prompt=prompt, max_tokens=6, logprobs=0)
     choice = text.choices[0]
-    assert text.usage.prompt_tokens == len(tokenizer(prompt)["input_ids"])
+    assert text.usage.prompt_tokens == len(tool_tokenizer(prompt)["input_ids"])
     assert len(choice.logprobs.token_logprobs) == text.usage.completion_tokens <= 6
     assert "".join(choice.logprobs.tokens).startswith(choice.text)
     with pytest.raises(openai.BadRequestError) as info:
@@ -250,21 +229,13 @@ def test_models_completions_and_error_shapes(server: ServerHandle, worker: Swarm
                      headers={"Authorization": f"Bearer {episodes[0].openai_api_key}"})
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "messages"
     for episode in episodes:  # completions are recorded and trained like chats
-        worker.report_episode(episode.episode_uuid, "completions", 0.0)
-    assert next_step(worker, before)["episodes"] == 2
-
-
-def get_weather(city: str) -> str:
-    """Get the weather of a city."""
-    CALLS.append(city)
-    return "sunny, 24 C"
-
-
-CALLS: list[str] = []
+        tool_worker.report_episode(episode.episode_uuid, "completions", 0.0)
+    assert next_step(tool_worker, before)["episodes"] == 2
 
 
 def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
-        server: ServerHandle, worker: SwarmClient, tokenizer: Any) -> None:
+        tool_server: ServerHandle, tool_worker: SwarmClient,
+        tool_tokenizer: Any) -> None:
     from agents import (
         Agent,
         ModelSettings,
@@ -276,9 +247,9 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
-    before = last_step(worker)
+    before = last_step(tool_worker)
     # LangChain: bind_tools, the call comes back as tool_calls, the follow-up answers
-    lc_episode = begin(worker)
+    lc_episode = begin(tool_worker)
     llm = ChatOpenAI(base_url=lc_episode.openai_base_url, api_key=lc_episode.openai_api_key,
                      model="ajet", max_tokens=96, max_retries=0).bind_tools([get_weather])
     history = [SystemMessage(SYSTEM), HumanMessage(WEATHER_QUESTION)]
@@ -287,7 +258,7 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     assert called.tool_calls[0]["args"] == {"city": "Paris"}
     question = [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": WEATHER_QUESTION}]
-    assert called.usage_metadata["input_tokens"] >= rendered(tokenizer, question) + len(
+    assert called.usage_metadata["input_tokens"] >= rendered(tool_tokenizer, question) + len(
         "Get the weather of a city.")
     history += [called, ToolMessage(get_weather("Paris"),
                                     tool_call_id=called.tool_calls[0]["id"])]
@@ -297,7 +268,7 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     # openai-agents through its chat-completions model, with a function_tool; no tracing
     # (it would send traces, with the episode key, to OpenAI)
     set_tracing_disabled(True)
-    agent_episode = begin(worker)
+    agent_episode = begin(tool_worker)
     agent = Agent(
         name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
         model=OpenAIChatCompletionsModel(model="ajet", openai_client=openai.AsyncOpenAI(
@@ -309,18 +280,18 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     assert CALLS == ["Paris"]  # the tool ran, on the model's call
     assert result.final_output == WEATHER_ANSWER
     first, second = (r.usage.input_tokens for r in result.raw_responses)
-    assert first >= rendered(tokenizer, question) + len("Get the weather of a city.")
+    assert first >= rendered(tool_tokenizer, question) + len("Get the weather of a city.")
     assert second > first  # the call and its result are in the follow-up's prompt
 
-    worker.report_episode(lc_episode.episode_uuid, "langchain", 1.0)
-    worker.report_episode(agent_episode.episode_uuid, "agents", 1.0)
-    line = next_step(worker, before)
+    tool_worker.report_episode(lc_episode.episode_uuid, "langchain", 1.0)
+    tool_worker.report_episode(agent_episode.episode_uuid, "agents", 1.0)
+    line = next_step(tool_worker, before)
     assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
 
 
 def test_an_oversized_chat_is_refused_unread_and_a_big_one_never_stalls_another_episode(
-        server: ServerHandle, worker: SwarmClient) -> None:
-    big, small = begin(worker), begin(worker)
+        tool_server: ServerHandle, tool_worker: SwarmClient) -> None:
+    big, small = begin(tool_worker), begin(tool_worker)
     url = f"{big.openai_base_url}/chat/completions"
     headers = {"Authorization": f"Bearer {big.openai_api_key}"}
     bound = 8 * MAX_PROMPT_LENGTH + 64 * 1024  # docs/limits.md
@@ -347,5 +318,5 @@ def test_an_oversized_chat_is_refused_unread_and_a_big_one_never_stalls_another_
     order.append(f"small {reply.choices[0].finish_reason}")
     thread.join(120)
     assert order[0].startswith("small") and order[1] == "big 400", order
-    worker.cancel_episode(big.episode_uuid)
-    worker.cancel_episode(small.episode_uuid)
+    tool_worker.cancel_episode(big.episode_uuid)
+    tool_worker.cancel_episode(small.episode_uuid)
