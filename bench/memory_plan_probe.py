@@ -53,10 +53,13 @@ from ajet.engine.peak_memory import PeakMemory  # noqa: E402
 from ajet.engine.policy import load_policy  # noqa: E402
 from ajet.engine.tiny import ensure_tiny_model  # noqa: E402
 
-#: the jobs measured: ajet-tiny's defaults; the 50M model with two micro-batches a step
+#: the jobs measured: ajet-tiny's default batch with the short episodes the examples run
+#: (the planner plans for the longest ones the job allows, so the samples are that long);
+#: the 50M model with two micro-batches a step
 JOBS: dict[tuple[str, bool], dict[str, Any]] = {
-    ("tiny", False): {},
-    ("tiny", True): {"batch_size": 2, "num_repeat": 2},
+    ("tiny", False): {"max_prompt_length": 256, "max_response_length": 32},
+    ("tiny", True): {"batch_size": 2, "num_repeat": 2, "max_prompt_length": 24,
+                     "max_response_length": 8, "max_new_tokens": 8},
     ("50m", False): {"batch_size": 2, "num_repeat": 4, "max_prompt_length": 200,
                      "max_response_length": 56, "max_new_tokens": 16,
                      "micro_batch_tokens": 1024},
