@@ -250,7 +250,10 @@ def model_shape(model: str) -> ModelShape | None:
 
 @dataclass(frozen=True)
 class JobView:
-    """The job fields the planner reads (from an `AgentJetJob` or any object with them)."""
+    """The job fields the planner reads (from an `AgentJetJob` or any object with them).
+
+    The defaults are `ajet/default_config/job.yaml`'s (test_memory_plan.py checks it).
+    """
 
     model: str = TINY_MODEL_NAME
     n_gpu: int = 0
@@ -258,8 +261,8 @@ class JobView:
     nnodes: int = 1
     batch_size: int = 4
     num_repeat: int = 8
-    max_prompt_length: int = 256
-    max_response_length: int = 32
+    max_prompt_length: int = 8192
+    max_response_length: int = 1024
     kl_coef: float = 0.0
     lora_rank: int = 0
     lora_target_modules: str | tuple[str, ...] = "all-linear"

@@ -29,11 +29,11 @@ __all__ = ["PeakMemory"]
 MiB = 1024 * 1024
 
 
-def _rss_bytes() -> int | None:
-    """The current resident set (Linux); None where /proc is missing."""
+def _proc_status_bytes(field: str) -> int | None:
+    """A `VmRSS`-style line of /proc/self/status in bytes (Linux); None without /proc."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -42,12 +42,9 @@ def _rss_bytes() -> int | None:
 
 def _hwm_bytes() -> int:
     """The resident set's high-water mark."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
@@ -82,7 +79,7 @@ class PeakMemory:
         if model is not None:
             _page_in(model)
         # without /proc (macOS) the high-water mark so far stands in for the current RSS
-        self._loaded = _rss_bytes() or _hwm_bytes()
+        self._loaded = _proc_status_bytes("VmRSS") or _hwm_bytes()
 
     def peak_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -144,6 +144,18 @@ def test_optimizer_state_and_gradients_are_what_the_learner_holds(tmp_path: Path
     assert not any(name.startswith("trained weights") for name in terms)
 
 
+def test_the_planners_job_defaults_are_the_jobs() -> None:
+    import dataclasses
+
+    from ajet.copilot.job import default_job_values
+
+    defaults = default_job_values()
+    for f in dataclasses.fields(JobView):
+        if f.name in defaults:
+            assert getattr(JobView(), f.name) == defaults[f.name], f.name
+    assert JobView.from_job(AgentJetJob()) == JobView()
+
+
 # ---------------------------------------------------------------------------- the headline
 
 
