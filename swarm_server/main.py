@@ -19,7 +19,7 @@ from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
-from swarm_server.routes import code, control, episodes, runs
+from swarm_server.routes import code, control, episodes, original, runs
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 
@@ -67,6 +67,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(code.router)
     app.include_router(runs.router)
     app.include_router(episodes.router)
+    app.include_router(original.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
     return app

@@ -78,6 +78,8 @@ class EngineConfig:
     episode_timeout_s: float
     n_gpu: int
     n_proc: int
+    #: when a step's batch is complete (ajet.engine.episodes.CollectionRule)
+    sample_collection_method: str
     # --- derived / backend
     device: str
     dtype: str
@@ -124,7 +126,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         lr=job.lr,
         ppo_epochs=job.ppo_epochs,
         clip_ratio=job.clip_ratio,
-        kl_coef=job.kl_coef,
+        kl_coef=job.kl_coef if job.use_kl_loss else 0.0,
         max_grad_norm=job.max_grad_norm,
         max_prompt_length=job.max_prompt_length,
         max_response_length=job.max_response_length,
@@ -136,11 +138,14 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         episode_timeout_s=job.episode_timeout_s,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
+        sample_collection_method=job.swarm_mode_sample_collection_method,
         device="cuda" if on_gpu else "cpu",
         # bf16 halves memory and is what GPUs train in; CPUs are slow in bf16.
         dtype="bfloat16" if on_gpu else "float32",
         cpu_threads=max(1, min(threads, cpu_count)),
-        max_in_flight=max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
+        # the original's max_env_worker, when given, is the number of episodes open at once
+        max_in_flight=job.max_env_worker or max(
+            1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
         max_generation_batch=backend.max_generation_batch,
         micro_batch_size=backend.micro_batch_size,
         adv_eps=backend.adv_eps,
