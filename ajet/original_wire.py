@@ -11,7 +11,10 @@ way and handlers see one model:
 - the original's `/end_episode` and `/abort_episode` bodies become this project's
   requests (the task id of `workflow_output.metadata` must match `task_id`);
 - a refused claim becomes the original's `fail_cause` text, which the original
-  client's back-off reads.
+  client's back-off reads;
+- a request body on a path both servers have (`/end_episode`, `/abort_episode`) is
+  read as whichever shape it has (`end_request`, `abort_request`), and the original's
+  `yaml_as_string` is the same field as this project's `yaml` (`SyncConfigRequest`).
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as O
 __all__ = [
     "STEP_REWARD_REFUSED",
     "OriginalBodyError",
+    "abort_request",
     "abort_request_from_original",
     "claim_fail_cause",
+    "end_request",
     "end_request_from_original",
     "end_request_from_output",
     "flat_log_metrics",
@@ -123,6 +128,16 @@ def abort_request_from_original(body: OriginalEnd) -> AbortEpisodeRequest:
     return AbortEpisodeRequest(episode_uuid=body.episode_uuid, reason="aborted by the client",
                                client_uuid=body.client_uuid,
                                declare_client_active=body.declare_client_active)
+
+
+def end_request(body: EndEpisodeRequest | OriginalEnd) -> EndEpisodeRequest:
+    """The one model `/end_episode` handles, from either body shape."""
+    return end_request_from_original(body) if isinstance(body, OriginalEnd) else body
+
+
+def abort_request(body: AbortEpisodeRequest | OriginalEnd) -> AbortEpisodeRequest:
+    """The one model `/abort_episode` handles, from either body shape."""
+    return abort_request_from_original(body) if isinstance(body, OriginalEnd) else body
 
 
 def claim_fail_cause(state: EngineState, *, no_free_slot: bool) -> str:

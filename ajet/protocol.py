@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, computed_field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 
 __all__ = [
     "AbortEpisodeRequest",
@@ -144,7 +144,12 @@ class EngineStatus(BaseModel):
 
 
 class SyncConfigRequest(_Model):
-    yaml: str = Field(description="AgentJetJob as YAML", max_length=1_000_000)
+    # `yaml_as_string` is the original AgentJet's name of the same field (its nested form)
+    yaml: str = Field(description="AgentJetJob as YAML: this project's flat form, or the "
+                                  "original's nested `ajet:` tree (also sent as "
+                                  "`yaml_as_string`)",
+                      max_length=1_000_000,
+                      validation_alias=AliasChoices("yaml", "yaml_as_string"))
 
 
 class ConfigNote(BaseModel):

@@ -1,5 +1,6 @@
 """Routes only the original AgentJet server has, with its bodies and reply keys.
 
+    POST /claim_episode                                claim (the original's begin_episode)
     GET  /get_current_batch_rollout_pool_information   rollout-pool statistics
     POST /get_episode_buffer                           the claimed episodes
     POST /can_continue_episode                         {client_uuid, episode_uuid}
@@ -17,18 +18,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Request
 
-from ajet.protocol import EngineState, ErrorBody
+from ajet.original_wire import claim_fail_cause
+from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
 from ajet.tuner_lib.experimental.interchange_utils import (
     AgreeSyncWeightRequest,
     BoolResponse,
     CanContinueEpisodeRequest,
     CanContinueEpisodeResponse,
+    ClaimEpisodeRequest,
+    ClaimEpisodeResponse,
     EpisodeBufferResponse,
 )
 from ajet.tuner_lib.experimental.swarm_overwatch_utils import CurrentBatchRolloutPoolInformation
 from swarm_server.deps import Ctx, WorkerAuth
+from swarm_server.errors import ApiError, Unprocessable
 
 __all__ = ["router"]
 
@@ -38,6 +43,35 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong token"},
     422: {"model": ErrorBody, "description": "Malformed body; `detail` names the field"},
 }
+
+
+@router.post("/claim_episode", responses=_ERRORS)
+async def claim_episode(ctx: Ctx, _: WorkerAuth, request: Request, body: ClaimEpisodeRequest
+                        ) -> ClaimEpisodeResponse:
+    """Claim an episode for `client_uuid`. A claim the engine cannot serve now is
+    `success: false` with the original's `fail_cause` (its client backs off on it)."""
+    if body.episode_type not in ("train", "eval"):
+        raise Unprocessable([{"loc": ["body", "episode_type"], "type": "value_error",
+                              "msg": f"Unknown episode_type: {body.episode_type}"}],
+                            "send episode_type 'train' or 'eval'")
+    policy = body.throttle_policy
+    claim = BeginEpisodeRequest(
+        discard_episode_timeout=body.discard_episode_timeout,
+        episode_type=body.episode_type,  # type: ignore[arg-type]
+        client_uuid=body.client_uuid, task_id=policy.current_task_id if policy else None)
+    try:
+        episode = await ctx.episodes.begin(claim, public_base_url=str(request.base_url))
+    except ApiError as exc:
+        if exc.status != 409:
+            raise
+        state = ctx.engine.state
+        return ClaimEpisodeResponse(
+            success=False, client_uuid=body.client_uuid, episode_uuid="",
+            fail_cause=claim_fail_cause(state, no_free_slot=state == EngineState.ROLLING))
+    return ClaimEpisodeResponse(success=True, client_uuid=body.client_uuid,
+                                episode_uuid=episode.episode_uuid,
+                                openai_base_url=episode.openai_base_url,
+                                openai_api_key=episode.openai_api_key)
 
 
 @router.get("/get_current_batch_rollout_pool_information", responses=_ERRORS)
