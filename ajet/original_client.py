@@ -217,8 +217,9 @@ class OriginalClientMixin:
             if status == OFFLINE and OFFLINE not in wanted and (seen_up or failed):
                 raise SwarmServerOfflineError(_offline_message(wanted, data))
             if time.monotonic() > deadline:
-                raise SwarmTimeout(f"engine still {status} after {timeout or self.retry.engine_wait_s:.0f}s "
-                                   f"waiting for {', '.join(wanted)}; see get_run_logs()")
+                waited = timeout or self.retry.engine_wait_s
+                raise SwarmTimeout(f"engine still {status} after {waited:.0f}s waiting for "
+                                   f"{', '.join(wanted)}; see get_run_logs()")
             time.sleep(self.retry.status_poll_s)
 
     # ------------------------------------------------------------------ lifecycle

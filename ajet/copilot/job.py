@@ -228,10 +228,12 @@ class AgentJetJob(BaseModel):
         if data.get("base_yaml_config"):
             base = _read_job_file(Path(str(data["base_yaml_config"])))
             data = {**base, **{k: v for k, v in data.items() if v is not None}}
-        # the original's arguments default to None, meaning "not given"
-        defaults = default_job_values()
-        data = {k: v for k, v in data.items()
-                if v is not None or defaults.get(_FIELD_OF.get(k, k), 0) is None}
+        # the original's arguments default to None, meaning "not given" (the defaults
+        # file is read only then: a job that names every field needs no file)
+        if any(v is None for v in data.values()):
+            defaults = default_job_values()
+            data = {k: v for k, v in data.items()
+                    if v is not None or defaults.get(_FIELD_OF.get(k, k), 0) is None}
         for alias, name in _FIELD_OF.items():
             if alias in data and name in data and data[alias] != data[name]:
                 raise ValueError(f"{alias} and {name} are one setting under two names; "
@@ -331,7 +333,10 @@ class AgentJetJob(BaseModel):
 
     def compat_notes(self) -> list[dict[str, str]]:
         """Settings accepted without effect here, and nested keys with no meaning here."""
-        defaults = default_job_values()
+        try:
+            defaults = default_job_values()
+        except OSError:  # a synced tree without the defaults file: list every such setting
+            defaults = {}
         notes = [{"field": name, "status": "no_effect", "reason": reason}
                  for name, reason in NO_EFFECT.items()
                  if getattr(self, name) != defaults.get(name)]

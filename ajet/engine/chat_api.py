@@ -51,16 +51,16 @@ from ajet.engine.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
 from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService
 from ajet.engine.policy import Policy
 from ajet.engine.trajectory import Completion
-from ajet.tuner_lib.experimental.interchange_utils import (
-    AgreeSyncWeightRequest,
-    CanContinueEpisodeRequest,
-)
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
+)
+from ajet.tuner_lib.experimental.interchange_utils import (
+    AgreeSyncWeightRequest,
+    CanContinueEpisodeRequest,
 )
 
 __all__ = ["ChatCompletionRequest", "EpisodePlane", "create_channel_app"]

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,9 +18,9 @@ import pytest
 import yaml
 
 from ajet.copilot.job import AgentJetJob
-from ajet.tuner_lib.experimental.swarm_client import SwarmClient
-from tests.support import PROJECT_ROOT, ServerHandle, make_ajet_repo, start_server, wait_status
 from ajet.protocol import EngineState
+from ajet.tuner_lib.experimental.swarm_client import SwarmClient
+from tests.support import PROJECT_ROOT, ServerHandle, make_ajet_repo, wait_status
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +29,6 @@ ORIGINAL_REPO = Path(os.environ.get("AJET_ORIGINAL_REPO",
                                     "/work/.mirror/charlesHsuGG+AgentJet/repo"))
 ORIGINAL_COMMIT = "af6b611"
 CLIENT = "c0ffee00-0000-4000-8000-000000000001"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("wire") / "swarm",
-                          env={"AJET_SWARM_WARM_STANDBY": "1"})
-    yield handle
-    handle.stop()
 
 
 def post(server: ServerHandle, path: str, body: object) -> httpx.Response:

@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +18,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import SwarmServerOfflineError, SwarmStateError
 from ajet.original_client import RetryPolicy
 from ajet.tuner_lib.experimental.swarm_client import SwarmClient
-from tests.support import PROJECT_ROOT, ServerHandle, make_ajet_repo, start_server
+from tests.support import PROJECT_ROOT, ServerHandle, make_ajet_repo
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +26,6 @@ SCRIPTS = Path(__file__).parent / "scripts"
 FAST = RetryPolicy(status_poll_s=0.05, busy_retry_s=0.1, no_slot_retry_s=0.05,
                    throttle_retry_s=0.05, agree_retry_s=0.05, unreachable_retry_s=0.1,
                    engine_wait_s=120, begin_episode_wait_s=120)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("compat") / "swarm",
-                          env={"AJET_SWARM_WARM_STANDBY": "1"})
-    yield handle
-    handle.stop()
 
 
 def run_script(server: ServerHandle, name: str, *args: str, cwd: Path | None = None,
