@@ -22,6 +22,7 @@ import copy
 import functools
 import logging
 import time
+import typing
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -228,12 +229,9 @@ class AgentJetJob(BaseModel):
         if data.get("base_yaml_config"):
             base = _read_job_file(Path(str(data["base_yaml_config"])))
             data = {**base, **{k: v for k, v in data.items() if v is not None}}
-        # the original's arguments default to None, meaning "not given" (the defaults
-        # file is read only then: a job that names every field needs no file)
-        if any(v is None for v in data.values()):
-            defaults = default_job_values()
-            data = {k: v for k, v in data.items()
-                    if v is not None or defaults.get(_FIELD_OF.get(k, k), 0) is None}
+        # the original's arguments default to None, meaning "not given"; a field that
+        # takes None (max_model_len, ...) keeps it
+        data = {k: v for k, v in data.items() if v is not None or _nullable(k)}
         for alias, name in _FIELD_OF.items():
             if alias in data and name in data and data[alias] != data[name]:
                 raise ValueError(f"{alias} and {name} are one setting under two names; "
@@ -464,6 +462,11 @@ class JobConfigView:
 #: The original's names of this project's fields (alias -> field).
 _FIELD_OF = {"max_response_length_in_one_turn": "max_new_tokens",
              "total_training_steps": "max_steps"}
+
+
+def _nullable(name: str) -> bool:
+    field = AgentJetJob.model_fields.get(_FIELD_OF.get(name, name))
+    return field is None or type(None) in typing.get_args(field.annotation)
 
 
 def _known_names() -> set[str]:

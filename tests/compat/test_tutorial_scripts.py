@@ -56,7 +56,15 @@ def test_math_loop_from_the_skill_file(server: ServerHandle, tmp_path: Path) -> 
 
 
 def test_batch_loop_on_a_rolling_engine(server: ServerHandle) -> None:
-    data = json.loads(run_script(server, "batch_roll.py").splitlines()[-1])
+    with SwarmClient(server.url, retry=FAST) as watcher:
+        entered_sync = threading.Event()
+        watcher.add_entering_weight_sync_callback(entered_sync.set)
+        data = json.loads(run_script(server, "batch_roll.py").splitlines()[-1])
+        assert entered_sync.wait(10), "the weight-sync callback never fired"
+        job = AgentJetJob(experiment_name="also_ignored", batch_size=2, num_repeat=2)
+        SwarmClient.async_and_start_multi_engine([(watcher, job)])  # ROLLING: nothing to do
+        with pytest.raises(ValueError, match="agree_sync_weight is only applicable"):
+            watcher.agree_sync_weight()  # the job collects by tasks, not by agreement
     assert data["status"] == "ENGINE.ROLLING" and data["global_step_key"] and data["detail_key"]
     assert len(data["results"]) == 4 and data["step_before"] >= 2
     assert (data["can_before"], data["can_after"]) == (True, False)
