@@ -60,8 +60,8 @@ def reward_of(output: WorkflowOutput) -> float:
     if reward is None:
         raise OriginalBodyError("workflow_output.reward",
                                 "workflow_output.reward is None; a reward is required")
-    value = float(reward)
-    if not math.isfinite(value):
+    value = _finite(reward)
+    if value is None:
         raise OriginalBodyError("workflow_output.reward", "the reward must be a finite number")
     return value
 
@@ -81,16 +81,24 @@ def flat_log_metrics(log_metrics: Mapping[str, Any]) -> dict[str, float]:
 
 def _put(flat: dict[str, float], key: str, value: Any) -> None:
     if isinstance(value, (list, tuple)):
-        numbers = [float(v) for v in value if _is_number(v)]
+        numbers = [n for n in map(_finite, value) if n is not None]
         if not numbers:
             return
         value = sum(numbers) / len(numbers)
-    if _is_number(value) and math.isfinite(float(value)):
-        flat[key] = float(value)
+    number = _finite(value)
+    if number is not None:
+        flat[key] = number
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _finite(value: Any) -> float | None:
+    """`value` as a finite float; None for anything else (a bool, a string, 1e400)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return number if math.isfinite(number) else None
 
 
 def end_request_from_output(episode_uuid: str, task_id: str, output: WorkflowOutput, *,

@@ -85,7 +85,7 @@ class EngineConfig:
     lora_save_merged: bool
     micro_batch_tokens: int
     mini_batch_num: int
-    #: when a step's batch is complete (ajet.engine.episodes.CollectionRule)
+    #: when a step's batch is complete (ajet.engine.episodes.COLLECTION_METHODS)
     sample_collection_method: str
     # --- derived / backend
     device: str

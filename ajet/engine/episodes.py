@@ -15,7 +15,7 @@ split, never dropped and never trained twice; incomplete groups wait for later s
 
 The ended episodes not yet trained are *the current batch* (`current_batch`): pool
 statistics, batch readiness and `take_batch` all read it. When it is complete is the
-job's sample-collection method, the original AgentJet's five (`CollectionRule`):
+job's sample-collection method, the original AgentJet's five (`COLLECTION_METHODS`):
 
     rollout_until_finish_enough_tasks            batch_size complete groups (the default);
                                                  the batch_size oldest are trained

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Header, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from ajet import original_wire
 from ajet.protocol import (
@@ -76,6 +77,11 @@ def _converted(convert: Any, body: Any) -> Any:
         raise Unprocessable([{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
                               "type": "value_error"}],
                             f"fix the field {exc.field}") from exc
+    except ValidationError as exc:  # a value this project's request model bounds tighter
+        errors = [{"loc": ["body", *(str(p) for p in e["loc"])], "msg": e["msg"],
+                   "type": e["type"]} for e in exc.errors()]
+        raise Unprocessable(errors, "fix the field(s): " + ", ".join(
+            ".".join(e["loc"][1:]) for e in errors)) from exc
 
 
 @router.post(

@@ -44,7 +44,8 @@ VALID_STATUSES = [
 #: A client falls off the active list after this long without a claim or a chat (seconds).
 CLIENT_ACTIVE_TIMEOUT = 10 * 60
 
-_ID = 500  # longest id (client, episode, task) the server reads
+_ID = 100  # longest client or episode id the server reads (this project's limit)
+_TASK_ID = 500  # longest task id
 
 
 class _Body(BaseModel):
@@ -65,7 +66,8 @@ class SwarmThrottlePolicy(BaseModel):
                                      "this client in a batch")
     expected_batch_size: int = Field(ge=0, description="Tasks in a batch")
     expected_num_repeat: int = Field(ge=0, description="Episodes per task")
-    current_task_id: str = Field(max_length=_ID, description="The task about to be claimed for")
+    current_task_id: str = Field(max_length=_TASK_ID,
+                                 description="The task about to be claimed for")
 
 
 class ClaimEpisodeRequest(_Body):
@@ -101,7 +103,7 @@ class EndEpisodeRequest(_Body):
     client_uuid: str = Field(max_length=_ID)
     episode_uuid: str = Field(max_length=_ID)
     workflow_output: WorkflowOutput
-    task_id: str = Field(max_length=_ID)
+    task_id: str = Field(max_length=_TASK_ID)
     declare_client_active: bool = True
 
 
