@@ -58,6 +58,8 @@ from ajet.protocol import EngineState
 __all__ = [
     "CLIENT_ACTIVE_TIMEOUT_S",
     "COLLECTION_METHODS",
+    "EVAL_EPISODE",
+    "TRAIN_EPISODE",
     "Episode",
     "EpisodeClosed",
     "EpisodeError",
@@ -70,6 +72,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Episode types: trained on, or served but never trained on (`episode_type`).
+TRAIN_EPISODE = "train"
+EVAL_EPISODE = "eval"
 
 #: Closed episode ids remembered so that a late call gets 409 "already ended", not 404.
 _HISTORY = 100_000
@@ -148,8 +154,8 @@ class Episode:
     end_metadata: dict[str, Any] = field(default_factory=dict)
     log_metrics: dict[str, float] = field(default_factory=dict)
     ended_at: float | None = None
-    #: "train" or "eval" (served, never trained on)
-    episode_type: str = "train"
+    #: TRAIN_EPISODE or EVAL_EPISODE (served, never trained on)
+    episode_type: str = TRAIN_EPISODE
     #: the claiming client, if it named itself; only it may end or abort the episode
     client_uuid: str | None = None
     #: the task the client said it will run (throttle policies count it)
@@ -260,6 +266,15 @@ class EpisodeRegistry:
             self._touch_client(episode.client_uuid, episode.last_active)
             return episode
 
+    def episode_type(self, episode_uuid: str) -> str:
+        """`"eval"` (served, never trained on) or `"train"`; how the chat plane samples.
+
+        Episodes without a type (the registry before eval episodes) are training ones.
+        """
+        with self._cond:
+            episode = self._live.get(episode_uuid)
+            return str(getattr(episode, "episode_type", None) or TRAIN_EPISODE)
+
     def chat_finished(self, episode_uuid: str, completion: Completion | None) -> bool:
         """Record a finished completion; False if the episode closed meanwhile (dropped)."""
         with self._cond:
@@ -291,7 +306,7 @@ class EpisodeRegistry:
             self._remember(episode_uuid, EpisodeStatus.ENDED)
             self.counters["ended"] += 1
             self._cond.notify_all()
-            if episode.episode_type != "train":
+            if episode.episode_type != TRAIN_EPISODE:
                 return episode  # eval: served, never trained on
             if declare_client_active and episode.client_uuid:
                 self._active_clients.setdefault(
@@ -328,12 +343,6 @@ class EpisodeRegistry:
             return expired
 
     # ------------------------------------------------------------------ original AgentJet calls
-
-    def episode_type(self, episode_uuid: str) -> str | None:
-        """"train" or "eval" for a live episode, else None (the chat plane asks this)."""
-        with self._cond:
-            episode = self._live.get(episode_uuid)
-            return episode.episode_type if episode else None
 
     def can_continue(self, episode_uuid: str, client_uuid: str | None = None) -> bool:
         """The episode is live, its client's, and the engine still takes its result."""

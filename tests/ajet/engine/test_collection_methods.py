@@ -103,7 +103,7 @@ def test_eval_episodes_are_served_but_never_trained() -> None:
     run(reg, "a", 1.0, client="c1", episode_type="eval")
     assert reg.current_batch() == ([], []) and not reg.batch_ready()
     assert reg.pool_statistics()["completed_episodes"] == 0
-    assert reg.episode_type(episode.uuid) is None  # closed
+    assert reg.episode_type(episode.uuid) == "train"  # closed: the default
 
 
 def test_only_the_claiming_client_ends_or_aborts_its_episode() -> None:
