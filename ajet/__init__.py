@@ -25,6 +25,8 @@ from ajet.errors import (
     SwarmError,
     SwarmHTTPError,
     SwarmNotFound,
+    SwarmServerOfflineError,
+    SwarmStateError,
     SwarmTimeout,
     SwarmValidationError,
 )
@@ -46,6 +48,8 @@ __all__ = [
     "SwarmError",
     "SwarmHTTPError",
     "SwarmNotFound",
+    "SwarmServerOfflineError",
+    "SwarmStateError",
     "SwarmTimeout",
     "SwarmValidationError",
 ]

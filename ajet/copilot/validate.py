@@ -1,14 +1,18 @@
 """`python -m ajet.copilot.validate`: validate a job YAML read from stdin.
 
-The swarm server runs this from the active snapshot in a short subprocess, so a synced
-change to the job schema, or to the memory planner, takes effect (DESIGN.md). Prints one
-JSON object to stdout: `{"ok": true, "config": {...}, "memory": {...} | null}` or
-`{"ok": false, "message": ..., "errors": [...], "hint": ...}`.
+Both forms are read: this project's flat YAML and the original AgentJet's nested `ajet:`
+tree (converted by `ajet.copilot.nested_config`), so the conversion, too, runs from the
+active snapshot. `notes` lists settings accepted without effect here.
 
 After the fields, the memory planner (`ajet/engine/memory_plan.py`, no torch) estimates
 the job's peak memory per GPU from the checkpoint's `config.json`; a job that will not fit
 is refused here, before anything starts, with the estimate by term, the memory available
 and the smallest changes that fit (`memory_check: warn` accepts it with the estimate).
+
+The swarm server runs this from the active snapshot in a short subprocess, so a synced
+change to the job schema, the conversion or the planner takes effect (DESIGN.md). Prints
+one JSON object to stdout: `{"ok": true, "config": {...}, "notes": [...], "memory": {...}
+| null}` or `{"ok": false, "message": ..., "errors": [...], "hint"?: ...}`.
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ def check(text: str) -> dict[str, Any]:
                             "memory": memory}],
                 "hint": (f"{plan.hint()}; or set memory_check: warn to start it anyway; "
                          "nothing was changed (the previous config stays)")}
-    return {"ok": True, "config": job.model_dump(mode="json"), "memory": memory, **where}
+    return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes(),
+            "memory": memory, **where}
 
 
 def main() -> int:
