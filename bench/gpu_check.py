@@ -125,7 +125,10 @@ def _job(args: argparse.Namespace, model_dir: Path) -> SimpleNamespace:
         max_steps=0, episode_timeout_s=600.0, n_gpu=1 if on_gpu else 0, n_proc=1, nnodes=1,
         lora_rank=0, lora_alpha=16, lora_target_modules="all-linear", lora_save_merged=False,
         activation_checkpointing=True, micro_batch_tokens=args.micro_batch_tokens,
-        mini_batch_num=1, gpu_memory_gb=80.0, gpu_memory_utilization=0.85, fsdp=True)
+        mini_batch_num=1, gpu_memory_gb=80.0, gpu_memory_utilization=0.85, fsdp=True,
+        # the original AgentJet's names, at their defaults
+        use_kl_loss=True, max_env_worker=None,
+        swarm_mode_sample_collection_method="rollout_until_finish_enough_tasks")
 
 
 def build_checkpoint(target: Path, shape: str, *, device: str) -> float:
