@@ -1,19 +1,36 @@
-"""Bearer-token roles: `control` (everything) and `worker` (episodes and read-only routes).
+"""Who may call what: bearer-token roles, and `Requirement`, a route's declared access rule.
 
-With no token configured the server is open (it then only binds loopback; see
-`Settings`). Tokens are compared in constant time. Episode API keys for
-`/v1/chat/completions` are a separate mechanism (`swarm_server.episode_keys`).
+Roles: `control` (everything) and `worker` (episodes and read-only routes). With no
+token configured the server is open (it then only binds loopback; see `Settings`).
+Tokens are compared in constant time. Episode API keys for the `/v1/*` routes are a
+separate mechanism (`swarm_server.episode_keys`, checked by `swarm_server.limits`).
+
+A route declares who may call it exactly once, with its auth dependency
+(`deps.ControlAuth`, `deps.ReaderAuth`, ...), each an `Annotated` alias over a
+`Requirement` instance. FastAPI calls the requirement like any dependency;
+`swarm_server.limits` reads the same instance off the matched route and calls `check`
+before a byte of the body is read, so the two gates can never disagree. A new kind of
+caller (an approver token, the console's cookie session) is a `Requirement` subclass
+whose `check` reads its credential from the headers (docs/internals.md, "Access").
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from fastapi import Header, Request
+from starlette.datastructures import Headers
 
 from swarm_server.errors import Forbidden, Unauthorized
 from swarm_server.settings import Settings
 
-__all__ = ["Role", "bearer_token", "require_control", "require_reader", "role_of"]
+if TYPE_CHECKING:
+    from swarm_server.context import ServerContext
+
+__all__ = ["ControlRequirement", "ReaderRequirement", "Requirement", "Role", "authenticate",
+           "bearer_token", "require_control", "require_reader", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
@@ -71,5 +88,57 @@ def require_reader(settings: Settings, token: str | None) -> Role:
     )
 
 
+def authenticate(settings: Settings, headers: Headers) -> Role:
+    """The first gate (`swarm_server.limits`, before routing): some credential is valid.
+
+    Every path but the open ones needs at least this, so an anonymous caller learns
+    nothing (401, never 404 or 422). A new credential kind must be accepted here too.
+    """
+    return require_reader(settings, bearer_token(headers.get("authorization")))
+
+
 def _missing_or_wrong(token: str | None) -> str:
     return "missing bearer token" if token is None else "invalid token"
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A route's access rule: a FastAPI dependency that `swarm_server.limits` also reads.
+
+    Subclasses implement `check` from the request headers alone (no body, no route
+    parameters), because the middleware calls it before the body is read.
+    """
+
+    #: What the rule admits, for docs and the access walk (`tests/security`).
+    access: str
+
+    def check(self, ctx: ServerContext, headers: Headers) -> Role:
+        """The caller's role, or raise `Unauthorized` (401) / `Forbidden` (403)."""
+        raise NotImplementedError
+
+    # `async`: FastAPI runs a plain `def` dependency in its thread pool, a hop that costs
+    # about a millisecond on the episode plane's hot path. The `authorization` parameter
+    # only documents the header in the OpenAPI schema; `check` reads the headers itself.
+    async def __call__(self, request: Request,
+                       authorization: Annotated[str | None, Header()] = None) -> Role:
+        return self.check(request.app.state.ctx, request.headers)
+
+
+@dataclass(frozen=True)
+class ControlRequirement(Requirement):
+    """Code, config, engine lifecycle, audit: the control token only."""
+
+    access: str = "control"
+
+    def check(self, ctx: ServerContext, headers: Headers) -> Role:
+        return require_control(ctx.settings, bearer_token(headers.get("authorization")))
+
+
+@dataclass(frozen=True)
+class ReaderRequirement(Requirement):
+    """Read-only routes and the episode plane: the worker or the control token."""
+
+    access: str = "reader"
+
+    def check(self, ctx: ServerContext, headers: Headers) -> Role:
+        return require_reader(ctx.settings, bearer_token(headers.get("authorization")))

@@ -5,9 +5,17 @@
     ├── Unauthorized        401
     ├── Forbidden           403
     ├── NotFound            404
+    ├── RequestTimeout      408  (a request body stalled)
     ├── EngineStateError    409  (wrong engine state: the hint says what to call)
     ├── PayloadTooLarge     413
-    └── Unprocessable       422  (validation: `detail` names the fields)
+    ├── Unprocessable       422  (validation: `detail` names the fields)
+    └── HeadersTooLarge     431
+
+`EarlyRefusal` carries an `ApiError` out of an ASGI `receive` (`swarm_server.limits`):
+FastAPI passes an HTTPException met while reading a body through unchanged and turns
+anything else into a generic 400, so the refusal travels as one and is rendered here
+like the error it wraps. Under `/v1/` errors also carry OpenAI's `{"error": {...}}`
+(`openai_error_body`), so the openai client's exception message says what happened.
 
 Anything else raised in a handler becomes a 500 with a generic body and a logged
 traceback; tests treat any 5xx as a bug.
@@ -26,13 +34,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 __all__ = [
     "ApiError",
     "BadRequest",
+    "EarlyRefusal",
     "EngineStateError",
     "Forbidden",
+    "HeadersTooLarge",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
     "Unprocessable",
     "install_error_handlers",
+    "openai_error_body",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +77,10 @@ class NotFound(ApiError):
     status = 404
 
 
+class RequestTimeout(ApiError):
+    status = 408
+
+
 class EngineStateError(ApiError):
     status = 409
 
@@ -77,11 +93,42 @@ class Unprocessable(ApiError):
     status = 422
 
 
+class HeadersTooLarge(ApiError):
+    status = 431
+
+
+class EarlyRefusal(StarletteHTTPException):
+    """An `ApiError` raised from inside `receive`; see the module docstring."""
+
+    def __init__(self, error: ApiError, *, openai: bool = False) -> None:
+        super().__init__(error.status, detail=str(error.detail), headers=error.headers)
+        self.error = error
+        self.openai = openai
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                 409: "conflict_error", 413: "invalid_request_error",
+                 422: "invalid_request_error"}
+
+
+def openai_error_body(exc: ApiError) -> dict[str, Any]:
+    """`{"detail", "hint"}` plus OpenAI's `{"error": {"message", "type", "code"}}`."""
+    message = f"{exc.detail} (hint: {exc.hint})" if exc.hint else str(exc.detail)
+    return {"detail": exc.detail, "hint": exc.hint,
+            "error": {"message": message, "type": _OPENAI_TYPES.get(exc.status, "api_error"),
+                      "code": exc.status}}
+
+
+def _render(exc: ApiError, *, openai: bool = False) -> JSONResponse:
+    body = openai_error_body(exc) if openai else {"detail": exc.detail, "hint": exc.hint}
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail, "hint": exc.hint}, status_code=exc.status,
-                            headers=exc.headers)
+        return _render(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -98,6 +145,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, EarlyRefusal):
+            return _render(exc.error, openai=exc.openai)
         hint = "see /docs for the routes" if exc.status_code in (404, 405) else ""
         return JSONResponse({"detail": exc.detail, "hint": hint}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -22,6 +22,7 @@ from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import code, control, episodes, runs
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.workdir import prepare_workdir
 
 __all__ = ["build_context", "create_app"]
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> ServerContext:
-    settings.workdir.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(settings.workdir)  # umask 077 before the first file is created
     ledger = Ledger(settings.ledger_path)
     snapshots = SnapshotStore(settings, ledger)
     engine = EngineController(settings, ledger, snapshots)
@@ -68,7 +69,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(runs.router)
     app.include_router(episodes.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
-    app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
+    app.add_middleware(LimitsMiddleware, ctx=ctx)
     return app
 
 

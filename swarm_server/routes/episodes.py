@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Header, Request
+from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 
 from ajet.protocol import (
@@ -23,8 +23,12 @@ from ajet.protocol import (
 from swarm_server.auth import bearer_token
 from swarm_server.deps import Ctx, WorkerAuth
 from swarm_server.errors import ApiError, PayloadTooLarge
+from swarm_server.limits import BodyLimit
 
 router = APIRouter(tags=["episodes"])
+
+#: begin/end/abort bodies are small; a bound well under max_json_bytes (docs/limits.md).
+_EPISODE_BODY = [Depends(BodyLimit.setting("max_episode_body_bytes"))]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "token or episode key missing, wrong or void"},
@@ -34,7 +38,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/begin_episode", responses=_ERRORS)
+@router.post("/begin_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def begin_episode(
     ctx: Ctx, _: WorkerAuth, request: Request,
     body: Annotated[BeginEpisodeRequest | None, Body()] = None,
@@ -44,13 +48,13 @@ async def begin_episode(
                                     public_base_url=str(request.base_url))
 
 
-@router.post("/end_episode", responses=_ERRORS)
+@router.post("/end_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def end_episode(ctx: Ctx, _: WorkerAuth, body: EndEpisodeRequest) -> EndEpisodeResponse:
     """Report an episode's reward; the engine trains on its group."""
     return await ctx.episodes.end(body)
 
 
-@router.post("/abort_episode", responses=_ERRORS)
+@router.post("/abort_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def abort_episode(ctx: Ctx, _: WorkerAuth, body: AbortEpisodeRequest) -> dict[str, Any]:
     """Give an episode up; `requeued` is true when another claim can start right away."""
     return await ctx.episodes.abort(body)
