@@ -31,6 +31,7 @@ from bench import (
     bench_episodes,
     bench_mcp,
     bench_restart,
+    bench_soak,
     bench_sync,
     bench_training,
 )
@@ -49,6 +50,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "episodes": bench_episodes.run,
     "restart": bench_restart.run,
     "training": bench_training.run,
+    "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

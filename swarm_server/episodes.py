@@ -19,7 +19,7 @@ idled past the engine's timeout) is pruned once the engine's step has moved past
 step of its last activity, i.e. once the batch it was collected for has been trained;
 entries of the current batch stay (the rollout-pool statistics read them). An id the
 table no longer knows is forwarded to the engine, which remembers closed episodes and
-answers 409 "already ended" or 404 itself. Pruning runs when the step changes or the
+answers 409 ("already ended", "timed out") or 404 itself. Pruning runs when the step changes or the
 table is full: amortised O(1) per call.
 
 One `httpx.AsyncClient` over the socket per engine run. Engine errors keep their
@@ -143,7 +143,7 @@ class EpisodeGateway:
 
     async def end(self, body: EndEpisodeRequest) -> EndEpisodeResponse:
         self._check_values(body)
-        entry = self._live_entry(body.episode_uuid, "end")
+        entry = self._live_entry(body.episode_uuid)
         _, client = await self._target("end_episode")
         try:
             data = await self._post_json(client, "/end_episode", body.model_dump(mode="json"))
@@ -155,7 +155,7 @@ class EpisodeGateway:
         return EndEpisodeResponse.model_validate(data)
 
     async def abort(self, body: AbortEpisodeRequest) -> dict[str, Any]:
-        entry = self._live_entry(body.episode_uuid, "abort")
+        entry = self._live_entry(body.episode_uuid)
         _, client = await self._target("abort_episode")
         try:
             data = await self._post_json(client, "/abort_episode", body.model_dump(mode="json"))
@@ -264,10 +264,11 @@ class EpisodeGateway:
                                           "(docs/limits.md); scale the reward, or ask the "
                                           "server's operator to raise the limit")
 
-    def _live_entry(self, episode_uuid: str, action: str) -> _Entry | None:
-        """The episode's entry; None if the table does not know it (pruned once its batch
-        was trained, or never issued): the engine, which remembers closed episodes, then
-        answers 409 or 404 itself."""
+    def _live_entry(self, episode_uuid: str) -> _Entry | None:
+        """The episode's entry if it belongs to the serving run; None if the table does not
+        know it (pruned once its batch was trained, or never issued). An unknown or closed
+        episode is still forwarded: the engine remembers why it closed (ended, aborted,
+        timed out) and answers 409 or 404 with that reason itself."""
         entry = self._episodes.get(episode_uuid)
         if entry is None:
             return None
@@ -276,9 +277,6 @@ class EpisodeGateway:
             raise NotFound(
                 f"episode {episode_uuid} belongs to engine run {entry.run_id}; the engine now "
                 f"runs {current or 'nothing'}", "its reward cannot be used; begin a new episode")
-        if entry.ended:
-            raise EngineRelayedError(409, f"cannot {action} episode {episode_uuid}: it has "
-                                          "already ended", "call begin_episode for a new episode")
         return entry
 
     async def _target(self, action: str) -> tuple[str, httpx.AsyncClient]:

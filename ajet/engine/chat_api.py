@@ -236,9 +236,13 @@ def _submit(inference: InferenceService, prompt_ids: list[int], max_new: int,
     def on_delta(text: str) -> None:
         post("delta", text)
 
-    inference.submit(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new,
-                                       on_done=on_done, on_delta=on_delta if streaming else None,
-                                       stop=stop))
+    try:
+        inference.submit(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new,
+                                           on_done=on_done,
+                                           on_delta=on_delta if streaming else None, stop=stop))
+    except RuntimeError as exc:  # the generation thread has stopped: the engine is stopping
+        raise EngineUnavailable(str(exc), "retry once the engine is ENGINE.ROLLING "
+                                          "(get_engine_status)") from exc
     return events
 
 
