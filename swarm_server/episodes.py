@@ -18,9 +18,9 @@ The table is bounded (`max_gateway_episodes`). An entry that ended (or was abort
 idled past the engine's timeout) is pruned once the engine's step has moved past the
 step of its last activity, i.e. once the batch it was collected for has been trained;
 entries of the current batch stay (the rollout-pool statistics read them). An id the
-table no longer knows is forwarded to the engine, which remembers closed episodes and
-answers 409 ("already ended", "timed out") or 404 itself. Pruning runs when the step changes or the
-table is full: amortised O(1) per call.
+table no longer knows, or knows as closed, is forwarded to the engine, which remembers
+closed episodes and answers 409 ("already ended", "timed out") or 404 itself. Pruning
+runs when the step changes or the table is full: amortised O(1) per call.
 
 One `httpx.AsyncClient` over the socket per engine run. Engine errors keep their
 status and `{"detail", "hint"}`; an engine that does not answer is a 409 (it is

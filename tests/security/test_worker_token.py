@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 import pytest

@@ -69,8 +69,8 @@ def test_server_files_are_private_and_earlier_ones_are_tightened(tmp_path: Path)
         assert any((workdir / "ajet_temp").glob("*/ajet/engine/rewards.py"))  # a snapshot
         assert (run_dir / "engine.log").is_file() and (run_dir / "job.yaml").is_file()
         assert not open_entries(workdir), open_entries(workdir)
-        executable = next((workdir / "ajet_temp").glob("*/ajet/__init__.py"))
-        assert stat.S_IMODE(executable.stat().st_mode) == 0o600
+        module = next((workdir / "ajet_temp").glob("*/ajet/__init__.py"))  # 0o644 in git
+        assert stat.S_IMODE(module.stat().st_mode) == 0o600
     finally:
         server.stop()
     assert stat.S_IMODE(mine.stat().st_mode) == 0o644
