@@ -11,8 +11,8 @@ and the server's memory growth. What runs, on loopback only, bounded in time:
 - `workers` rollout workers: begin, chat, end with a random reward, or abort (a random
   share), or hang past the episode timeout so the engine re-queues the claim;
 - pollers: `get_engine_status`, the current run's metrics and log tail (worker token);
-- `/health` every 0.1 s (an answer within 5 s or it counts as a wedge), and the server's
-  resident memory every 0.5 s;
+- `/health` every 0.1 s from a process of its own (an answer within 5 s or it counts
+  as a wedge), and the server's resident memory every 0.5 s;
 - at `sync_at_s`, a one-file edit synced with `force_restart` (a new engine run);
 - the hostile requests of the review, each checked against the answer it must get.
 
@@ -30,6 +30,8 @@ import logging
 import random
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -53,6 +55,21 @@ log = logging.getLogger(__name__)
 WEDGE_S = 5.0
 #: Backtracks without end on any ordinary log line (`re`, and `regex` without a timeout).
 REGEX_BOMB = r"(.|..)*\d{5}"
+#: Polls /health every 0.1 s until its stdin closes; prints each latency (s), inf = none.
+_HEALTH_POLLER = """
+import sys, threading, time, httpx
+done = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+with httpx.Client(timeout=%r) as http:
+    while not done.is_set():
+        t0 = time.monotonic()
+        try:
+            ok = http.get(sys.argv[1] + "/health").status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        print(time.monotonic() - t0 if ok else float("inf"), flush=True)
+        done.wait(0.1)
+""" % WEDGE_S
 #: begin/abort pairs of the churn attack (the gateway table must not grow with them)
 CHURN = 50
 _STOP_LINE = re.compile(r"episodes at stop: (\{.*\})")
@@ -285,17 +302,14 @@ class _Soak:
     # -- background
 
     def health(self) -> None:
-        with httpx.Client(timeout=WEDGE_S) as http:
-            while not self.quiet.is_set():
-                t0 = time.monotonic()
-                try:
-                    ok = http.get(f"{self.t.url}/health").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                seconds = time.monotonic() - t0 if ok else float("inf")
-                with self.lock:
-                    self.report.health_s.append(seconds)
-                self.quiet.wait(0.1)
+        """Poll /health from a process of its own, so the soak's own threads (and their
+        GIL) do not delay the polls; one latency per line, `inf` for no answer."""
+        proc = subprocess.Popen([sys.executable, "-c", _HEALTH_POLLER, self.t.url],
+                                stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        self.quiet.wait()
+        out, _ = proc.communicate(input="", timeout=2 * WEDGE_S + 10)  # closes its stdin
+        with self.lock:
+            self.report.health_s = [float(line) for line in out.split()]
 
     def pollers(self) -> None:
         paths = ["/get_engine_status", "/runs/current/metrics?max_points=50",
