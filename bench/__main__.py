@@ -33,6 +33,7 @@ from bench import (
     bench_restart,
     bench_soak,
     bench_sync,
+    bench_train_memory,
     bench_training,
 )
 from bench.context import BenchContext
@@ -50,6 +51,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "episodes": bench_episodes.run,
     "restart": bench_restart.run,
     "training": bench_training.run,
+    "train_memory": bench_train_memory.run,
     "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

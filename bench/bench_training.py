@@ -28,6 +28,8 @@ __all__ = ["run"]
 RERUN = "python -m bench --only training"
 BUDGET_S = 90.0
 ENGINE_RSS_BUDGET_MB = 600.0
+LORA_JOB = {"lora_rank": 8, "lora_target_modules": [
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]}
 
 
 def _metric_lines(workdir: Path) -> list[dict[str, Any]]:
@@ -41,11 +43,16 @@ def run(ctx: BenchContext) -> list[Row]:
     workdir = ctx.path("training")
     workdir.mkdir(parents=True)
     figures: LearningFigures
+    lora_dir = ctx.path("training-lora")
+    lora_dir.mkdir(parents=True)
     if ctx.quick:  # a few small steps: proves the plumbing, not the learning
         figures = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
                                    stop_when_met=False, workdir=workdir)
+        lora = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
+                                stop_when_met=False, workdir=lora_dir, job_overrides=LORA_JOB)
     else:
         figures = measure_learning(duration_s=BUDGET_S, workdir=workdir)
+        lora = measure_learning(duration_s=BUDGET_S, workdir=lora_dir, job_overrides=LORA_JOB)
     lines = _metric_lines(workdir)
     steady = lines[1:] or lines
     if not steady:
@@ -70,6 +77,13 @@ def run(ctx: BenchContext) -> list[Row]:
             target=f"<= {BUDGET_S:.0f} s", met=figures.criterion_met, rerun=RERUN,
             repetitions=1, note=f"gain {figures.gain:.2f}" if figures.gain is not None
             else "not enough steps"))
+    seconds = lora.seconds_to_criterion
+    rows.append(Row(
+        f"learning with LoRA (rank 8, lr {lora.config['lr']:g}): reward gain >= {GAIN}",
+        seconds if seconds is not None else lora.wall_s, "s", "budget", BUDGET_S,
+        target=f"<= {BUDGET_S:.0f} s", met=lora.criterion_met if not ctx.quick else None,
+        rerun=RERUN, repetitions=1, note=f"gain {lora.gain:.2f}, {lora.steps} steps"
+        if lora.gain is not None else f"{lora.steps} steps"))
     if figures.engine_peak_rss_mb is not None:
         rows.append(Row(
             "engine peak RSS while training", figures.engine_peak_rss_mb, "MB",

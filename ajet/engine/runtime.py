@@ -92,7 +92,6 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
 
     from ajet.engine.channel import ChannelServer
     from ajet.engine.chat_api import EpisodePlane, create_channel_app
-    from ajet.engine.checkpoints import save_checkpoint
     from ajet.engine.config import load_engine_config
     from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
     from ajet.engine.episodes import EpisodeRegistry
@@ -100,7 +99,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
     from ajet.engine.policy import load_policy, resolve_model_path
-    from ajet.engine.trainer import TrainerParts, follow, train
+    from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -136,10 +135,10 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         ajet_files = dist.gather(ajet_file)
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
-        dist.sync_parameters(policy.model)
+        # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
         if plane is None or registry is None:  # ranks > 0: train on what rank 0 sends
-            steps = follow(learner, dist)
+            steps = follow(learner, dist, run_dir=run_dir, run_id=args.run_id)
             log.info("rank %d stopped after %d step(s)", dist.rank, steps)
             return 0
         plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
@@ -151,12 +150,13 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
-        steps = train(TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
-                                   metrics=metrics, run_dir=run_dir, run_id=args.run_id,
-                                   stop=stop, started=started, dist=dist))
+        parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
+                             metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
+                             started=started, dist=dist)
+        steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
-        save_checkpoint(policy, run_dir / "final", step=steps, run_id=args.run_id)
+        finish(parts, steps)
     finally:
         if inference is not None:
             inference.stop()
