@@ -1,40 +1,44 @@
 """Who may call what: bearer-token roles, and `Requirement`, a route's declared access rule.
 
-Roles: `control` (everything) and `worker` (episodes and read-only routes). With no
-token configured the server is open (it then only binds loopback; see `Settings`).
-Tokens are compared in constant time. Episode API keys for the `/v1/*` routes are a
-separate mechanism (`swarm_server.episode_keys`, checked by `swarm_server.limits`).
+Roles: `control` (everything but approving), `worker` (episodes and read-only routes) and
+named `approver`s (the approval routes, and the server-side review). With no token
+configured the server is open (it then only binds loopback; see `Settings`). Tokens are
+compared in constant time. An approver token opens only the approval routes and the
+code-review routes; the control token never approves (DESIGN.md point 8). Episode API
+keys for the `/v1/*` routes are a separate mechanism (`swarm_server.episode_keys`,
+checked by `swarm_server.limits`).
 
 A route declares who may call it exactly once, with its auth dependency
-(`deps.ControlAuth`, `deps.ReaderAuth`, ...), each an `Annotated` alias over a
+(`deps.ControlAuth`, `deps.ApproverAuth`, ...), each an `Annotated` alias over a
 `Requirement` instance. FastAPI calls the requirement like any dependency;
 `swarm_server.limits` reads the same instance off the matched route and calls `check`
 before a byte of the body is read, so the two gates can never disagree. A new kind of
-caller (an approver token, the console's cookie session) is a `Requirement` subclass
-whose `check` reads its credential from the headers (docs/internals.md, "Access").
+caller is a `Requirement` subclass whose `check` reads its credential from the headers
+(the console's cookie session: `deps.ConsoleRequirement`; docs/internals.md, "Access").
 """
 
 from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import Header, Request
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, State
 
 from swarm_server.errors import Forbidden, Unauthorized
 from swarm_server.settings import Settings
 
-if TYPE_CHECKING:
-    from swarm_server.context import ServerContext
-
-__all__ = ["ControlRequirement", "ReaderRequirement", "Requirement", "Role", "authenticate",
-           "bearer_token", "require_control", "require_reader", "role_of"]
+__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "ReaderRequirement",
+           "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
+           "bearer_token", "require_approver", "require_control", "require_reader",
+           "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
+#: Audit-log role of an approver: `approver:<name>`.
+APPROVER_PREFIX = "approver:"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -73,6 +77,7 @@ def require_control(settings: Settings, token: str | None) -> Role:
     if role == "worker":
         raise Forbidden("this route needs the control token; the worker token cannot call it",
                         "use AJET_SWARM_TOKEN (control) for code, config and engine lifecycle")
+    _refuse_approver(settings, token)
     raise Unauthorized(_missing_or_wrong(token), "send 'Authorization: Bearer $AJET_SWARM_TOKEN'",
                        headers=_CHALLENGE)
 
@@ -81,6 +86,7 @@ def require_reader(settings: Settings, token: str | None) -> Role:
     role = role_of(settings, token)
     if role is not None:
         return role
+    _refuse_approver(settings, token)
     raise Unauthorized(
         _missing_or_wrong(token),
         "send 'Authorization: Bearer <token>' with AJET_SWARM_TOKEN or AJET_SWARM_WORKER_TOKEN",
@@ -88,40 +94,96 @@ def require_reader(settings: Settings, token: str | None) -> Role:
     )
 
 
-def authenticate(settings: Settings, headers: Headers) -> Role:
-    """The first gate (`swarm_server.limits`, before routing): some credential is valid.
-
-    Every path but the open ones needs at least this, so an anonymous caller learns
-    nothing (401, never 404 or 422). A new credential kind must be accepted here too.
-    """
-    return require_reader(settings, bearer_token(headers.get("authorization")))
+def _refuse_approver(settings: Settings, token: str | None) -> None:
+    if approver_of(settings, token) is not None:
+        raise Forbidden("an approver token opens only the approval routes (/approvals) and "
+                        "the code to review (/code/server)",
+                        "use the control or worker token here, or the web console")
 
 
 def _missing_or_wrong(token: str | None) -> str:
     return "missing bearer token" if token is None else "invalid token"
 
 
+def approver_of(settings: Settings, token: str | None) -> str | None:
+    """The name of the approver whose token this is, or None."""
+    if token is None:
+        return None
+    found = None
+    for name, expected in settings.approvers.items():
+        if _matches(token, expected):  # no early exit: constant time over the list
+            found = name
+    return found
+
+
+def require_approver(settings: Settings, token: str | None) -> str:
+    """The approver's name; 401 without a valid token, 403 for the control/worker token."""
+    name = approver_of(settings, token)
+    if name is not None:
+        return name
+    role = role_of(settings, token) if token is not None else None
+    if role in ("control", "worker"):
+        if not settings.approvals_enforced:
+            raise Forbidden("approvals are not enforced on this server: it has no approver "
+                            "tokens", "set AJET_SWARM_APPROVER_TOKENS (name=token,...) on the "
+                                      "server to make every snapshot need an approver")
+        raise Forbidden(f"the {role} token cannot approve; approval routes take an approver "
+                        "token only", "an approver uses their own token "
+                                      "(AJET_SWARM_APPROVER_TOKEN) or the web console")
+    raise Unauthorized(_missing_or_wrong(token),
+                       "send 'Authorization: Bearer $AJET_SWARM_APPROVER_TOKEN'",
+                       headers=_CHALLENGE)
+
+
+def require_reviewer(settings: Settings, token: str | None) -> str:
+    """Control token (or an open server) or an approver: `control`, `open` or
+    `approver:<name>`. For reading code to review: manifests and file contents."""
+    name = approver_of(settings, token)
+    if name is not None:
+        return APPROVER_PREFIX + name
+    return require_control(settings, token)
+
+
+def authenticate(settings: Settings, headers: Headers) -> str:
+    """The first gate (`swarm_server.limits`, before routing): some credential is valid.
+
+    Every path but the open ones, the console's and the episode plane's needs at least
+    this, so an anonymous caller learns nothing (401, never 404 or 422). A new bearer
+    credential must be accepted here too.
+    """
+    token = bearer_token(headers.get("authorization"))
+    name = approver_of(settings, token)
+    if name is not None:  # the approval routes' own requirement decides the rest
+        return APPROVER_PREFIX + name
+    return require_reader(settings, token)
+
+
+def _token(headers: Headers) -> str | None:
+    return bearer_token(headers.get("authorization"))
+
+
 @dataclass(frozen=True)
 class Requirement:
     """A route's access rule: a FastAPI dependency that `swarm_server.limits` also reads.
 
-    Subclasses implement `check` from the request headers alone (no body, no route
-    parameters), because the middleware calls it before the body is read.
+    Subclasses implement `check` from the app's state (`state.ctx` is the
+    `ServerContext`) and the request headers alone, no body and no route parameters,
+    because the middleware calls it before the body is read.
     """
 
     #: What the rule admits, for docs and the access walk (`tests/security`).
     access: str
 
-    def check(self, ctx: ServerContext, headers: Headers) -> Role:
-        """The caller's role, or raise `Unauthorized` (401) / `Forbidden` (403)."""
+    def check(self, state: State, headers: Headers) -> Any:
+        """The caller's role (or identity), or raise 401/403."""
         raise NotImplementedError
 
     # `async`: FastAPI runs a plain `def` dependency in its thread pool, a hop that costs
     # about a millisecond on the episode plane's hot path. The `authorization` parameter
     # only documents the header in the OpenAPI schema; `check` reads the headers itself.
     async def __call__(self, request: Request,
-                       authorization: Annotated[str | None, Header()] = None) -> Role:
-        return self.check(request.app.state.ctx, request.headers)
+                       authorization: Annotated[str | None, Header()] = None) -> Any:
+        return self.check(request.app.state, request.headers)
 
 
 @dataclass(frozen=True)
@@ -130,8 +192,8 @@ class ControlRequirement(Requirement):
 
     access: str = "control"
 
-    def check(self, ctx: ServerContext, headers: Headers) -> Role:
-        return require_control(ctx.settings, bearer_token(headers.get("authorization")))
+    def check(self, state: State, headers: Headers) -> Role:
+        return require_control(state.ctx.settings, _token(headers))
 
 
 @dataclass(frozen=True)
@@ -140,5 +202,25 @@ class ReaderRequirement(Requirement):
 
     access: str = "reader"
 
-    def check(self, ctx: ServerContext, headers: Headers) -> Role:
-        return require_reader(ctx.settings, bearer_token(headers.get("authorization")))
+    def check(self, state: State, headers: Headers) -> Role:
+        return require_reader(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class ApproverRequirement(Requirement):
+    """Approve, deny, revoke: a named approver token only; `check` returns the name."""
+
+    access: str = "approver"
+
+    def check(self, state: State, headers: Headers) -> str:
+        return require_approver(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class ReviewerRequirement(Requirement):
+    """Code to review: the control token or an approver's (`approver:<name>`)."""
+
+    access: str = "reviewer"
+
+    def check(self, state: State, headers: Headers) -> str:
+        return require_reviewer(state.ctx.settings, _token(headers))

@@ -7,8 +7,10 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
 1. **Header size** (`max_header_bytes`, 431). uvicorn's h11 parser enforces the same
    bound while reading, and `swarm_server.http_protocol` closes a connection whose
    headers do not arrive within `header_timeout_s`; this check holds whatever parser runs.
-2. **A credential** (401). Every path needs one except `OPEN_PATHS` (`/health`):
-   under `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
+2. **A credential** (401). Every path needs one except `OPEN_PATHS` (`/health`) and
+   the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
+   session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
+   `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
    (`EpisodeGateway.check_key`), everywhere else a token `auth.authenticate` accepts
    (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
    caller gets nothing parsed, buffered or routed.
@@ -20,7 +22,8 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    (`scope["route"]`, set by FastAPI's router) and checked from the headers. FastAPI
    reads a body before it solves dependencies, so without this a worker's malformed
    body to a control route was a 422 and its 15 MiB manifest was parsed before the
-   403. A route outside `/v1/` that declares none needs the control token (fail closed).
+   403. A route outside `/v1/` and `/ui` that declares none needs the control token
+   (fail closed).
 4. **The route's body bound** (413): `BodyLimit` declared on the route, else
    `max_json_bytes`; a declared Content-Length over it is refused unread, a chunked body
    as soon as it passes. `STREAMED_BODY` routes (the two uploads) stream to disk under
@@ -66,13 +69,15 @@ from swarm_server.errors import (
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
 
-__all__ = ["EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_BODY", "BodyLimit",
-           "LimitsMiddleware", "json_too_deep"]
+__all__ = ["CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_BODY",
+           "BodyLimit", "LimitsMiddleware", "json_too_deep"]
 
 #: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
 #: The OpenAI-compatible episode plane: a signed episode key, never a bearer token.
 EPISODE_PREFIX = "/v1/"
+#: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
+CONSOLE_PREFIX = "/ui"
 
 #: The refusals of this middleware, for the OpenAPI schema of every operation (a route's
 #: own description of the same status wins).
@@ -195,7 +200,7 @@ class LimitsMiddleware:
 
     def _credential_refusal(self, scope: Scope) -> _Refusal | None:
         path: str = scope["path"]
-        if path in OPEN_PATHS:
+        if path in OPEN_PATHS or _is_console(path):
             return None
         headers = Headers(scope=scope)
         try:
@@ -254,12 +259,13 @@ class LimitsMiddleware:
     def _check_requirements(self, scope: Scope, rules: _RouteRules) -> None:
         requirements = rules.requirements
         if not requirements:
-            if scope["path"].startswith(EPISODE_PREFIX):
-                return  # the episode key was checked at the first gate
+            path = scope["path"]
+            if path.startswith(EPISODE_PREFIX) or _is_console(path):
+                return  # the episode key was checked at the first gate; sign-in is open
             requirements = (_FAIL_CLOSED,)
         headers = Headers(scope=scope)
         for requirement in requirements:
-            requirement.check(self.ctx, headers)
+            requirement.check(scope["app"].state, headers)
 
     async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit
                          ) -> bytes | None:
@@ -329,6 +335,10 @@ def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyL
         elif isinstance(dep.call, BodyLimit):
             bodies.append(dep.call)
         _collect(dep, requirements, bodies)
+
+
+def _is_console(path: str) -> bool:
+    return path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/")
 
 
 def _is_utf8(body: bytes) -> bool:
