@@ -15,11 +15,14 @@
 `EarlyRefusal` carries an `ApiError` out of an ASGI `receive` (`swarm_server.limits`):
 FastAPI passes an HTTPException met while reading a body through unchanged and turns
 anything else into a generic 400, so the refusal travels as one and is rendered here
-like the error it wraps. Under `/v1/` errors also carry OpenAI's `{"error": {...}}`
-(`openai_error_body`), so the openai client's exception message says what happened.
+like the error it wraps (OpenAI-shaped under `/v1/`).
 
 Anything else raised in a handler becomes a 500 with a generic body and a logged
 traceback; tests treat any 5xx as a bug.
+
+The OpenAI-compatible routes (`/v1/*`) answer the same errors in OpenAI's shape as well
+(`openai_error_body`): `{"error": {"message", "type", "param", "code"}}`, the hint kept in
+the message, next to `detail` and `hint`.
 """
 
 from __future__ import annotations
@@ -55,12 +58,43 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     status = 500
 
-    def __init__(self, detail: Any, hint: str = "", *, headers: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, detail: Any, hint: str = "", *, headers: dict[str, str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(str(detail))
         self.detail = detail
         self.hint = hint
         self.headers = headers
+        #: the request field at fault, where one is named (OpenAI's `error.param`)
+        self.param = param
+
+
+#: OpenAI's `error.type` per status.
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                 409: "conflict_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 431: "invalid_request_error"}
+
+
+def openai_error_body(status: int, detail: Any, hint: str = "", *, param: str | None = None
+                      ) -> dict[str, Any]:
+    """`{"detail", "hint"}` plus OpenAI's `error` object, for the `/v1/*` routes."""
+    text = detail if isinstance(detail, str) else _detail_text(detail)
+    message = f"{text} (hint: {hint})" if hint else text
+    return {"detail": detail, "hint": hint,
+            "error": {"message": message,
+                      "type": _OPENAI_TYPES.get(status, "api_error" if status >= 500
+                                                else "invalid_request_error"),
+                      "param": param, "code": status}}
+
+
+def _detail_text(detail: Any) -> str:
+    # a validation detail is a list of {"loc", "msg"}: name each field
+    if isinstance(detail, list):
+        parts = [f"{'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg', '')}"
+                 for e in detail if isinstance(e, dict)]
+        if parts:
+            return "; ".join(parts)
+    return str(detail)
 
 
 class BadRequest(ApiError):
@@ -114,22 +148,9 @@ class EarlyRefusal(StarletteHTTPException):
         self.openai = openai
 
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
-                 409: "conflict_error", 413: "invalid_request_error",
-                 422: "invalid_request_error"}
-
-
-def openai_error_body(exc: ApiError) -> dict[str, Any]:
-    """`{"detail", "hint"}` plus OpenAI's `{"error": {"message", "type", "code"}}`."""
-    message = f"{exc.detail} (hint: {exc.hint})" if exc.hint else str(exc.detail)
-    return {"detail": exc.detail, "hint": exc.hint,
-            "error": {"message": message, "type": _OPENAI_TYPES.get(exc.status, "api_error"),
-                      "code": exc.status}}
-
-
 def _render(exc: ApiError, *, openai: bool = False) -> JSONResponse:
-    body = openai_error_body(exc) if openai else {"detail": exc.detail, "hint": exc.hint}
+    body = (openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param) if openai
+            else {"detail": exc.detail, "hint": exc.hint})
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 

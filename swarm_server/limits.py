@@ -158,8 +158,9 @@ class _Refusal:
     openai: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = (openai_error_body(self.error) if self.openai
-                else {"detail": self.error.detail, "hint": self.error.hint})
+        error = self.error
+        body = (openai_error_body(error.status, error.detail, error.hint, param=error.param)
+                if self.openai else {"detail": error.detail, "hint": error.hint})
         response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
         await response(scope, receive, send)
 

@@ -27,6 +27,8 @@ __all__ = ["GenerationRequest", "GenerationResult", "InferenceService"]
 
 log = logging.getLogger(__name__)
 
+_GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass
 class GenerationResult:
@@ -44,6 +46,9 @@ class GenerationRequest:
     on_done: Callable[[GenerationResult | BaseException], None]
     on_delta: Callable[[str], None] | None = None
     stop: tuple[str, ...] = ()
+    #: None = the run's setting; set only for `eval` episodes (0 = greedy)
+    temperature: float | None = None
+    top_p: float | None = None
 
 
 @dataclass
@@ -114,13 +119,22 @@ class InferenceService:
             row.request.on_done(RuntimeError("the engine is shutting down"))
 
     def _decode_step(self, rows: list[_Row]) -> list[_Row]:
-        sequences = [row.request.prompt_ids + row.response_ids for row in rows]
+        # one forward pass per sampling setting: rows of eval episodes may ask for their own
+        by_setting: dict[tuple[float, float], list[_Row]] = {}
+        for row in rows:
+            by_setting.setdefault(self._setting(row.request), []).append(row)
+        sampled: dict[int, tuple[int, float]] = {}
         with self.policy.lock:
-            tokens, logprobs = sample_tokens(self.policy, sequences, temperature=self.temperature,
-                                             top_p=self.top_p, generator=self._generator)
+            for (temperature, top_p), group in by_setting.items():
+                sequences = [row.request.prompt_ids + row.response_ids for row in group]
+                tokens, logprobs = sample_tokens(self.policy, sequences, temperature=temperature,
+                                                 top_p=top_p, generator=self._generator)
+                sampled.update({id(row): pair for row, pair in
+                                zip(group, zip(tokens, logprobs, strict=True), strict=True)})
         self.tokens_generated += len(rows)
         still: list[_Row] = []
-        for row, token, logprob in zip(rows, tokens, logprobs, strict=True):
+        for row in rows:
+            token, logprob = sampled[id(row)]
             row.response_ids.append(token)
             row.logprobs.append(logprob)
             finish = self._advance(row, token)
@@ -132,6 +146,13 @@ class InferenceService:
                     prompt_ids=row.request.prompt_ids, response_ids=row.response_ids,
                     logprobs=row.logprobs, text=text, finish_reason=finish))
         return still
+
+    def _setting(self, request: GenerationRequest) -> tuple[float, float]:
+        temperature = self.temperature if request.temperature is None else request.temperature
+        top_p = self.top_p if request.top_p is None else request.top_p
+        # temperature 0 means greedy: a temperature this small puts all the mass on the
+        # arg-max (log_softmax stays finite), without a second sampling routine
+        return max(temperature, _GREEDY_TEMPERATURE), top_p
 
     def _advance(self, row: _Row, token: int) -> str | None:
         """Stream new text; the finish reason if the row is done, else None."""

@@ -146,7 +146,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         inference = InferenceService(policy, temperature=cfg.temperature, top_p=cfg.top_p,
                                      max_batch=cfg.max_generation_batch, seed=cfg.seed)
         inference.start()
-        plane.policy, plane.inference = policy, inference
+        plane.set_policy(policy, inference)
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
