@@ -301,7 +301,8 @@ class EngineController:
                  checked.config_hash[:12])
         self._replenish_standby()  # a start is likely to follow
         return ConfigAccepted(config_hash=checked.config_hash,
-                              experiment_name=checked.experiment_name, config=checked.config)
+                              experiment_name=checked.experiment_name, config=checked.config,
+                              notes=checked.notes)
 
     def current_config(self) -> ConfigAccepted | None:
         """The stored job (what the next start uses), or None if none was ever sent."""

@@ -211,6 +211,30 @@ class EpisodeGateway:
                                headers=_CHALLENGE)
         raise self._relay(response.status_code, content, response.headers)
 
+    async def engine_call(self, method: str, path: str,
+                          payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """A statistics call on the engine's socket; None when no engine serves (or the
+        engine's code has no such route).
+
+        For the original AgentJet's routes (`routes/original.py`), which answer with
+        defaults while the engine is not serving instead of an error.
+        """
+        socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
+        if socket_path is None or run_id is None:
+            return None
+        _, client = await self._target(path.strip("/"))
+        try:
+            response = await (client.get(path) if method == "GET"
+                              else client.post(path, json=payload or {}))
+        except httpx.TransportError as exc:
+            raise self._unreachable(path.strip("/"), exc) from exc
+        if response.status_code == 404:
+            return None  # an engine from code that predates these routes: the defaults
+        if response.status_code != 200:
+            raise self._relay(response.status_code, response.content, response.headers)
+        data = response.json()
+        return data if isinstance(data, dict) else None
+
     def check_key(self, key: str | None) -> str:
         """The episode id of a genuine key of a live episode of the serving run, else 401."""
         if not key:

@@ -24,7 +24,7 @@ from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
-from swarm_server.routes import approvals, code, control, docs, episodes, runs
+from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
 from swarm_server.server_code import ServerCode
 from swarm_server.ui import SessionStore
 from swarm_server.ui.routes import router as console_router
@@ -84,6 +84,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(episodes.router)
     app.include_router(approvals.router)
     app.include_router(console_router)
+    app.include_router(original.router)
     app.include_router(docs.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, ctx=ctx)

@@ -114,7 +114,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     registry: EpisodeRegistry | None = None
     if rank == 0:  # the episode plane answers ENGINE.BOOTING while the rest boots
         registry = EpisodeRegistry(group_size=cfg.num_repeat, max_in_flight=cfg.max_in_flight,
-                                   default_timeout_s=cfg.episode_timeout_s)
+                                   default_timeout_s=cfg.episode_timeout_s,
+                                   batch_size=cfg.batch_size,
+                                   collection_method=cfg.sample_collection_method)
         plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
                              ajet_file=ajet_file,
                              info={"experiment_name": cfg.experiment_name, "model": cfg.model,

@@ -20,7 +20,7 @@ class EndsAfter:
         self.ended: list[str] = []
         self.lock = threading.Lock()
 
-    def open_episode(self, **_: Any) -> BeginEpisodeResponse:
+    def open_episode(self, *_: Any, **__: Any) -> BeginEpisodeResponse:
         with self.lock:
             if self.left == 0:
                 raise EngineStateConflict(409, "engine is ENGINE.OFFLINE", "start_engine")
