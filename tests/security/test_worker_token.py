@@ -26,6 +26,7 @@ import pytest
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState
+from tests.security.test_auth_walk import ACCESS, APPROVER, CONTROL, REVIEWER
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 from tests.swarm_server.fake_engine import server_env
 
@@ -215,14 +216,13 @@ def test_a_non_finite_reward_is_422(setup: Setup) -> None:
 
 
 def test_a_workers_malformed_json_to_any_control_route_is_403(setup: Setup) -> None:
-    schema = httpx.get(f"{setup.server.url}/openapi.json", headers=CTL).json()
-    control_posts = [p for p, ops in schema["paths"].items() if "post" in ops
-                     and p not in ("/begin_episode", "/end_episode", "/abort_episode")
-                     and not p.startswith("/v1/")]
-    assert {"/sync_train_config", "/code/manifest", "/start_engine"} <= set(control_posts)
-    for path in control_posts:
-        r = httpx.post(f"{setup.server.url}{path}", content=b"{not json", timeout=30,
-                       headers={**WRK, "Content-Type": "application/json"})
+    # every POST route the worker token may not call (the access table of the auth walk)
+    refused = [p for (m, p), access in ACCESS.items() if m == "POST"
+               and access in (CONTROL, APPROVER, REVIEWER)]
+    assert {"/sync_train_config", "/code/manifest", "/start_engine"} <= set(refused)
+    for path in refused:
+        r = httpx.post(f"{setup.server.url}{concrete(path, setup)}", content=b"{not json",
+                       timeout=30, headers={**WRK, "Content-Type": "application/json"})
         assert r.status_code == 403 and r.json()["hint"], (path, r.text)
 
 
