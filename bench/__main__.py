@@ -32,6 +32,7 @@ from bench import (
     bench_mcp,
     bench_memory_plan,
     bench_restart,
+    bench_soak,
     bench_sync,
     bench_train_memory,
     bench_training,
@@ -53,6 +54,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
     "memory_plan": bench_memory_plan.run,
+    "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"
