@@ -39,7 +39,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet.engine.config import EngineConfig
 from ajet.engine.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
-from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService
+from ajet.engine.inference import (
+    GenerationCancelled,
+    GenerationHandle,
+    GenerationInterrupted,
+    GenerationRefused,
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+)
 from ajet.engine.policy import Policy
 from ajet.engine.trajectory import Completion
 from ajet.protocol import (
@@ -65,6 +73,12 @@ class EngineUnavailable(EpisodeError):
     """503: no policy loaded yet, shutting down, or generation failed (see the log)."""
 
     status = 503
+
+
+class ClientGone(EpisodeError):
+    """499 (nobody reads it): the client closed the connection before the reply was done."""
+
+    status = 499
 
 
 class ChatMessage(BaseModel):
@@ -103,9 +117,18 @@ class EpisodePlane:
     #: `ajet.__file__` of every rank (rank 0 first), for the server's snapshot check
     ranks_ajet_files: list[str] = field(default_factory=list)
     policy: Policy | None = None
-    inference: InferenceService | None = None
+    inference: Generator | None = None
     started_at: float = field(default_factory=time.time)
     info: dict[str, Any] = field(default_factory=dict)
+    #: generations in progress per episode, cancelled when the episode is aborted
+    generating: dict[str, set[GenerationHandle]] = field(default_factory=dict)
+
+    def cancel_generations(self, episode_uuid: str) -> int:
+        """Cancel the episode's generations in progress (their KV cache is freed)."""
+        handles = self.generating.pop(episode_uuid, set())
+        for handle in handles:
+            handle.cancel()
+        return len(handles)
 
     def report(self) -> EngineReport:
         snap = self.registry.snapshot()
@@ -114,7 +137,8 @@ class EpisodePlane:
             step=self.registry.step, run_id=self.run_id, world_size=self.world_size,
             ranks_ajet_files=self.ranks_ajet_files or [self.ajet_file],
             episodes_in_flight=snap["episodes_in_flight"],
-            info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3)},
+            info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3),
+                  **({"generation": self.inference.stats()} if self.inference else {})},
         )
 
 
@@ -145,12 +169,15 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
     @app.post("/abort_episode")
     async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
         requeued = registry.abort(body.episode_uuid)
-        log.info("episode %s aborted: %s", body.episode_uuid, body.reason)
+        cancelled = plane.cancel_generations(body.episode_uuid)
+        log.info("episode %s aborted: %s%s", body.episode_uuid, body.reason,
+                 f" ({cancelled} generation(s) cancelled)" if cancelled else "")
         return {"episode_uuid": body.episode_uuid, "requeued": requeued}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(
         body: ChatCompletionRequest,
+        request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
     ) -> JSONResponse | StreamingResponse:
         if not x_episode_uuid:
@@ -163,17 +190,23 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
         registry.chat_started(x_episode_uuid)  # 404/409 first: a closed episode is closed
         try:
             prompt_ids, max_new, stop = _prepare(plane.cfg, policy, body)
-            events = _submit(inference, prompt_ids, max_new, stop, streaming=body.stream)
+            events, handle = _submit(inference, prompt_ids, max_new, stop,
+                                     streaming=body.stream, session=x_episode_uuid)
+        except GenerationRefused as exc:
+            registry.chat_finished(x_episode_uuid, None)
+            raise BadChatRequest(f"cannot generate for this prompt: {exc}",
+                                 "shorten the conversation") from exc
         except BaseException:
             registry.chat_finished(x_episode_uuid, None)
             raise
+        plane.generating.setdefault(x_episode_uuid, set()).add(handle)
         model_name = body.model or plane.cfg.model
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             return StreamingResponse(
-                _stream(plane, x_episode_uuid, events, model_name, include_usage),
+                _stream(plane, x_episode_uuid, events, handle, model_name, include_usage),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        result = await _finish(plane, x_episode_uuid, events)
+        result = await _finish(plane, x_episode_uuid, events, handle, request)
         return JSONResponse(_completion_body(result, model_name))
 
     return app
@@ -219,8 +252,9 @@ def _text_of(message: ChatMessage) -> str:
     return "".join(parts)
 
 
-def _submit(inference: InferenceService, prompt_ids: list[int], max_new: int,
-            stop: tuple[str, ...], *, streaming: bool) -> asyncio.Queue[tuple[str, Any]]:
+def _submit(inference: Generator, prompt_ids: list[int], max_new: int,
+            stop: tuple[str, ...], *, streaming: bool, session: str
+            ) -> tuple[asyncio.Queue[tuple[str, Any]], GenerationHandle]:
     """Queue a generation; its deltas and result arrive on the returned asyncio queue."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -236,15 +270,31 @@ def _submit(inference: InferenceService, prompt_ids: list[int], max_new: int,
     def on_delta(text: str) -> None:
         post("delta", text)
 
-    inference.submit(GenerationRequest(prompt_ids=prompt_ids, max_new_tokens=max_new,
-                                       on_done=on_done, on_delta=on_delta if streaming else None,
-                                       stop=stop))
-    return events
+    handle = inference.submit(GenerationRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max_new, on_done=on_done,
+        on_delta=on_delta if streaming else None, stop=stop, session=session))
+    return events, handle
+
+
+def _forget(plane: EpisodePlane, episode_uuid: str, handle: GenerationHandle) -> None:
+    handles = plane.generating.get(episode_uuid)
+    if handles is not None:
+        handles.discard(handle)
+        if not handles:
+            del plane.generating[episode_uuid]
 
 
 def _record(plane: EpisodePlane, episode_uuid: str, result: GenerationResult | BaseException
             ) -> GenerationResult:
     """Attach the completion to its episode; the chat fails if the episode closed meanwhile."""
+    if isinstance(result, GenerationCancelled):
+        plane.registry.chat_finished(episode_uuid, None)
+        raise EpisodeClosed(f"the reply for episode {episode_uuid} was cancelled (the episode "
+                            "was aborted)", "call begin_episode for a new episode")
+    if isinstance(result, GenerationInterrupted):
+        plane.registry.chat_finished(episode_uuid, None)
+        raise EngineUnavailable(f"generation was interrupted: {result}",
+                                "retry the request", retry_after_s=1.0)
     if isinstance(result, BaseException):
         plane.registry.chat_finished(episode_uuid, None)
         raise EngineUnavailable(f"generation failed: {result}",
@@ -261,20 +311,40 @@ def _record(plane: EpisodePlane, episode_uuid: str, result: GenerationResult | B
 
 
 async def _finish(plane: EpisodePlane, episode_uuid: str,
-                  events: asyncio.Queue[tuple[str, Any]]) -> GenerationResult:
+                  events: asyncio.Queue[tuple[str, Any]], handle: GenerationHandle,
+                  request: Request) -> GenerationResult:
+    """Wait for the reply; a client that hangs up first cancels the generation."""
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
         while True:
-            kind, payload = await events.get()
+            got = asyncio.ensure_future(events.get())
+            await asyncio.wait({got, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not got.done():  # the client went away: stop generating for it
+                got.cancel()
+                handle.cancel()
+                plane.registry.chat_finished(episode_uuid, None)
+                raise ClientGone("the client closed the connection", "")
+            kind, payload = got.result()
             if kind == "done":
                 return _record(plane, episode_uuid, payload)
     except asyncio.CancelledError:
+        handle.cancel()
         plane.registry.chat_finished(episode_uuid, None)
         raise
+    finally:
+        gone.cancel()
+        _forget(plane, episode_uuid, handle)
+
+
+async def _disconnected(request: Request) -> None:
+    """Return once the client has closed the connection (the body is already read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(plane: EpisodePlane, episode_uuid: str,
-                  events: asyncio.Queue[tuple[str, Any]], model_name: str,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+                  events: asyncio.Queue[tuple[str, Any]], handle: GenerationHandle,
+                  model_name: str, include_usage: bool) -> AsyncIterator[bytes]:
     chunk_id, created = f"chatcmpl-{uuidlib.uuid4().hex}", int(time.time())
     recorded = False
 
@@ -309,7 +379,9 @@ async def _stream(plane: EpisodePlane, episode_uuid: str,
             break
         yield b"data: [DONE]\n\n"
     finally:
+        _forget(plane, episode_uuid, handle)
         if not recorded:  # the client went away before the reply finished
+            handle.cancel()
             plane.registry.chat_finished(episode_uuid, None)
 
 

@@ -37,6 +37,16 @@ class BackendDefaults:
     in_flight_factor: float = 1.0
     #: Most chat completions generated together (continuous batching).
     max_generation_batch: int = 64
+    #: Generation backend: "continuous_batching" (KV cache, transformers >= 5.17) or
+    #: "recompute" (no cache; the benchmark's reference). AJET_ENGINE_GENERATION overrides.
+    generation_backend: str = "continuous_batching"
+    #: CPU KV cache: at most this much memory for the cache and its attention mask (GPU
+    #: runs size it from the job's gpu_memory_utilization instead; ajet/engine/kv_cache.py).
+    cpu_kv_cache_mb: float = 64.0
+    #: CPU: tokens per forward pass (prefill chunk); the mask grows with it.
+    cpu_max_batch_tokens: int = 256
+    #: Share KV blocks between requests with the same prompt prefix (never across updates).
+    prefix_sharing: bool = True
     #: Sequences per forward/backward in the update; gradients accumulate across them.
     micro_batch_size: int = 64
     #: GRPO: added to the group's std before dividing (advantages.py).
@@ -76,6 +86,7 @@ class EngineConfig:
     save_every: int
     max_steps: int
     episode_timeout_s: float
+    gpu_memory_utilization: float
     n_gpu: int
     n_proc: int
     # --- derived / backend
@@ -84,6 +95,10 @@ class EngineConfig:
     cpu_threads: int
     max_in_flight: int
     max_generation_batch: int
+    generation_backend: str
+    cpu_kv_cache_mb: float
+    cpu_max_batch_tokens: int
+    prefix_sharing: bool
     micro_batch_size: int
     adv_eps: float
     reward_clip: float | None
@@ -134,6 +149,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         save_every=job.save_every,
         max_steps=job.max_steps,
         episode_timeout_s=job.episode_timeout_s,
+        gpu_memory_utilization=job.gpu_memory_utilization,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
         device="cuda" if on_gpu else "cpu",
@@ -142,6 +158,10 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         cpu_threads=max(1, min(threads, cpu_count)),
         max_in_flight=max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
         max_generation_batch=backend.max_generation_batch,
+        generation_backend=backend.generation_backend,
+        cpu_kv_cache_mb=backend.cpu_kv_cache_mb,
+        cpu_max_batch_tokens=backend.cpu_max_batch_tokens,
+        prefix_sharing=backend.prefix_sharing,
         micro_batch_size=backend.micro_batch_size,
         adv_eps=backend.adv_eps,
         reward_clip=backend.reward_clip,
