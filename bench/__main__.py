@@ -29,6 +29,7 @@ from pathlib import Path
 from bench import (
     bench_budgets,
     bench_episodes,
+    bench_generation,
     bench_mcp,
     bench_restart,
     bench_sync,
@@ -48,6 +49,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "mcp": bench_mcp.run,
     "episodes": bench_episodes.run,
     "restart": bench_restart.run,
+    "generation": bench_generation.run,
     "training": bench_training.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

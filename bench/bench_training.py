@@ -3,13 +3,15 @@
     python -m bench --only training
     python -m bench.bench_learning        # the learning criterion alone, with its figures
 
-One run of `bench.bench_learning.measure_learning` (the engine engineer's benchmark of
+Two runs of `bench.bench_learning.measure_learning` (the engine engineer's benchmark of
 the issue-3 criterion: `batch_size=4`, `num_repeat=8`, the digits workflow, 4 workers,
-90 s budget from `start_engine`), in a work directory kept until the end so that its
-`metrics.jsonl` can be read here. Steps per minute and tokens per second are medians
-over that run's steps (the first step, which waits for the workers to start, is left
-out): each step is one repetition. The run stops once the criterion holds, which takes
-at least 6 steps.
+90 s budget from `start_engine`), each in a work directory kept until the end so that its
+`metrics.jsonl` can be read here: first with the generator that recomputes every prefix
+(`AJET_ENGINE_GENERATION=recompute`, the engine before issue 17: the reference), then
+with the default KV-cached one. Steps per minute and tokens per second are medians over
+a run's steps (the first step, which waits for the workers to start, is left out): each
+step is one repetition. A run stops once the criterion holds, which takes at least 6
+steps.
 """
 
 from __future__ import annotations
@@ -37,15 +39,17 @@ def _metric_lines(workdir: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def run(ctx: BenchContext) -> list[Row]:
-    workdir = ctx.path("training")
+def _train(ctx: BenchContext, name: str, env: dict[str, str] | None = None
+           ) -> tuple[LearningFigures, list[dict[str, Any]], float, float]:
+    """One learning run: its figures, steady metrics lines, steps/min, tokens/s."""
+    workdir = ctx.path(name)
     workdir.mkdir(parents=True)
     figures: LearningFigures
     if ctx.quick:  # a few small steps: proves the plumbing, not the learning
         figures = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
-                                   stop_when_met=False, workdir=workdir)
+                                   stop_when_met=False, workdir=workdir, env=env)
     else:
-        figures = measure_learning(duration_s=BUDGET_S, workdir=workdir)
+        figures = measure_learning(duration_s=BUDGET_S, workdir=workdir, env=env)
     lines = _metric_lines(workdir)
     steady = lines[1:] or lines
     if not steady:
@@ -53,14 +57,27 @@ def run(ctx: BenchContext) -> list[Row]:
                            f"see {workdir}/server.log and {workdir}/runs/*/engine.log")
     step_s = statistics.median(float(line["step_time_s"]) for line in steady)
     tokens = statistics.median(float(line["tokens_per_s"]) for line in steady)
+    return figures, steady, 60.0 / step_s, tokens
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    before_steps = before_tokens = None
+    before_runs = ""
+    if not ctx.quick:  # the smoke test proves the plumbing with one run
+        _, before_lines, before_steps, before_tokens = _train(
+            ctx, "training-recompute", env={"AJET_ENGINE_GENERATION": "recompute"})
+        before_runs = f"; reference {len(before_lines) + 1} steps"
+    figures, steady, steps_per_min, tokens = _train(ctx, "training")
     cfg = figures.config
     setup = (f"bs {cfg['batch_size']} x {cfg['num_repeat']}, {cfg['n_workers']} workers, "
-             f"{figures.steps} steps")
+             f"{figures.steps} steps{before_runs}")
+    before = "recompute generator, before issue 17" if before_steps is not None else ""
     rows = [
-        Row("training ajet-tiny: steps per minute", 60.0 / step_s, "steps/min", rerun=RERUN,
-            repetitions=len(steady), note=setup),
-        Row("training ajet-tiny: tokens per second", tokens, "tokens/s", rerun=RERUN,
-            repetitions=len(steady), note="response tokens / step time, metrics.jsonl"),
+        Row("training ajet-tiny: steps per minute", steps_per_min, "steps/min", before,
+            before_steps, rerun=RERUN, repetitions=len(steady), note=setup),
+        Row("training ajet-tiny: tokens per second", tokens, "tokens/s", before,
+            before_tokens, rerun=RERUN, repetitions=len(steady),
+            note="response tokens / step time, metrics.jsonl"),
     ]
     if not ctx.quick:
         seconds = figures.seconds_to_criterion

@@ -40,7 +40,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -125,10 +125,11 @@ class _Live:
     reply: ReplyText
     #: stream outputs token by token (needed for deltas and for stop strings)
     streaming: bool
+    #: tokens it may generate (the request's, within the model's context)
+    max_new: int
     handle: GenerationHandle | None = None
     #: transformers' request id while it is inside a manager
     rid: str | None = None
-    stats: dict[str, int] = field(default_factory=dict)
 
 
 class ContinuousBatchingGenerator(Generator):
@@ -195,7 +196,7 @@ class ContinuousBatchingGenerator(Generator):
         max_new = self._budget(request)
         streaming = request.on_delta is not None or bool(request.stop)
         live = _Live(request=request, reply=ReplyText(self._decode, request.stop),
-                     streaming=streaming, stats={"max_new": max_new})
+                     streaming=streaming, max_new=max_new)
         live.handle = GenerationHandle(request, on_cancel=lambda _h: self._cancel(live))
         with self._lock:
             if self._closing:
@@ -274,7 +275,7 @@ class ContinuousBatchingGenerator(Generator):
             overrides["top_p"] = top_p
         added = manager.add_request(
             list(live.request.prompt_ids), request_id=live.rid,
-            max_new_tokens=live.stats["max_new"], streaming=live.streaming,
+            max_new_tokens=live.max_new, streaming=live.streaming,
             eos_token_id=sorted(self._eos), **overrides)
         if added is None:  # the manager stopped accepting (it crashed): the collector
             del self._live[live.rid]  # restarts it; this request waits for that

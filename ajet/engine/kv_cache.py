@@ -14,8 +14,8 @@ attention, which is what runs on CPU):
 
 On CPU the mask column dominates for small models (ajet-tiny: 256 B of KV against 1 KiB
 of mask per token at 256 batch tokens), so both the cache and the batch stay small: the
-cache holds what `concurrency` requests of the longest allowed length need, capped by
-`cpu_kv_cache_mb`, and never less than one such request.
+cache holds what `concurrency` requests of the longest allowed length need (each rounded
+up to whole pages), capped by `cpu_kv_cache_mb`, and never less than one such request.
 
 On GPU the budget is the job's `gpu_memory_utilization`, the original AgentJet's name
 for vLLM's knob, read as vLLM does: the fraction of the device's total memory this
@@ -114,8 +114,10 @@ class CachePlan:
                 f"{self.max_requests_per_batch} requests per forward pass")
 
 
-def _blocks(tokens: int, page_size: int) -> int:
-    return max(1, math.ceil(tokens / page_size))
+def _blocks(requests: int, request_tokens: int, page_size: int) -> int:
+    """Pages for `requests` requests of `request_tokens` each: pages are not shared out
+    between requests, so each one rounds up to whole pages."""
+    return max(1, requests) * math.ceil(request_tokens / page_size)
 
 
 def plan_cpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tokens: int,
@@ -125,9 +127,11 @@ def plan_cpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tok
     kv = geometry.kv_bytes_per_token(dtype_bytes)
     per_token = kv + max_batch_tokens * dtype_bytes + _INDEX_BYTES
     budget = int(budget_mb * MiB)
-    affordable = budget // per_token
-    tokens = max(min(concurrency * max_request_tokens, affordable), max_request_tokens)
-    return CachePlan(device="cpu", page_size=page_size, num_blocks=_blocks(tokens, page_size),
+    one_request = _blocks(1, max_request_tokens, page_size)
+    affordable = budget // (per_token * page_size)
+    blocks = max(min(_blocks(concurrency, max_request_tokens, page_size), affordable),
+                 one_request)
+    return CachePlan(device="cpu", page_size=page_size, num_blocks=blocks,
                      max_batch_tokens=max_batch_tokens, max_memory_percent=None,
                      max_requests_per_batch=max(1, min(concurrency, max_batch_tokens)),
                      kv_bytes_per_token=kv, budget_bytes=budget,
@@ -156,10 +160,10 @@ def plan_gpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tok
             f"request of max_prompt_length + max_response_length = {max_request_tokens} tokens "
             f"needs {2 * one_request / GiB:.2f} GiB; raise gpu_memory_utilization, shorten "
             "max_prompt_length or max_response_length, use more GPUs or LoRA")
-    need = concurrency * max_request_tokens
+    need = _blocks(concurrency, max_request_tokens, page_size)
     # cap the cache at what the job can use when that is well inside the budget; otherwise
     # transformers fills the budget itself
-    num_blocks = _blocks(need, page_size) if need * kv < budget // 2 else None
+    num_blocks = need if need * page_size * kv < budget // 2 else None
     return CachePlan(device="cuda", page_size=page_size, num_blocks=num_blocks,
                      max_batch_tokens=None,
                      max_memory_percent=min(1.0, budget / max(free_bytes, 1)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
@@ -37,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+import tempfile
 import threading
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -102,7 +104,7 @@ class RankService:
         if tcp_host is None:
             path = run_dir / f"rank{rank}.sock"
             if len(os.fsencode(str(path))) > MAX_SOCKET_PATH:
-                path = Path(_private_tmpdir()) / f"rank{rank}.sock"
+                path = Path(tempfile.mkdtemp(prefix="ajet-rank-")) / f"rank{rank}.sock"  # 0700
         self._channel = ChannelServer(self._app(), path, tcp_host=tcp_host)
 
     def start(self) -> RankEndpoint:
@@ -191,12 +193,6 @@ def _lines(objs: list[dict[str, Any]]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
 
-def _private_tmpdir() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="ajet-rank-")  # 0700
-
-
 def tcp_host_for_rendezvous() -> str:
     """This node's address on the interface that reaches torchrun's rendezvous host."""
     master = os.environ.get("MASTER_ADDR", "127.0.0.1")
@@ -223,7 +219,7 @@ class RemoteGenerator(Generator):
         self._thread = threading.Thread(target=self._loop.run_forever,
                                         name=f"ajet-rank{endpoint.rank}-client", daemon=True)
         self._client: httpx.AsyncClient | None = None
-        self._tasks: set[asyncio.Future[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.counters = {"requests": 0, "failed": 0}
 
     def start(self) -> None:
@@ -266,15 +262,15 @@ class RemoteGenerator(Generator):
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         if not self._thread.is_alive() or self._client is None:
             raise RuntimeError("the engine is shutting down")
-        future: asyncio.Future[None] | None = None
+        future: concurrent.futures.Future[None] | None = None
 
         def cancel(_handle: GenerationHandle) -> None:
-            if future is not None:  # closing the stream makes rank r cancel it too
-                self._loop.call_soon_threadsafe(future.cancel)
+            if future is not None:  # cancels the task: the stream closes and rank r
+                future.cancel()  # cancels its request too
 
         handle = GenerationHandle(request, on_cancel=cancel)
         self.counters["requests"] += 1
-        future = asyncio.run_coroutine_threadsafe(self._call(handle), self._loop)  # type: ignore[assignment]
+        future = asyncio.run_coroutine_threadsafe(self._call(handle), self._loop)
         return handle
 
     async def _call(self, handle: GenerationHandle) -> None:

@@ -29,7 +29,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
+    from ajet.engine.config import EngineConfig
+    from ajet.engine.inference import Generator
+    from ajet.engine.policy import Policy
 
 __all__ = ["main", "parse_args"]
 
@@ -101,7 +106,6 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.config import load_engine_config
     from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
     from ajet.engine.episodes import EpisodeRegistry
-    from ajet.engine.inference import Generator
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
     from ajet.engine.policy import load_policy, resolve_model_path
@@ -189,7 +193,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     return 0
 
 
-def _local_generator(cfg: Any, policy: Any) -> Any:
+def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     """This rank's generator: the backend `generation_backend` (or the env) names."""
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":

@@ -88,9 +88,12 @@ def prompt_of(policy: Policy, text: str) -> list[int]:
     return policy.render_chat([{"role": "user", "content": text}])
 
 
-def scored(policy: Policy, result: GenerationResult, temperature: float = TEMPERATURE
-           ) -> list[float]:
-    with torch.no_grad():
+def scored(policy: Policy, generator: ContinuousBatchingGenerator, result: GenerationResult,
+           temperature: float = TEMPERATURE) -> list[float]:
+    """The training side's log-probs of `result`. The generator is paused meanwhile: the
+    model must never run in two threads at once (transformers < 5.24 even switches its
+    attention to the paged kind while a generator serves)."""
+    with generator.paused(), torch.no_grad():
         lp, _, _ = score_responses(policy.model, [result.prompt_ids], [result.response_ids],
                                    pad_id=policy.pad_id, temperature=temperature,
                                    device=policy.device)
@@ -101,13 +104,12 @@ def test_concurrent_replies_carry_the_training_log_probs(
         policy: Policy, generator: ContinuousBatchingGenerator) -> None:
     prompts = [prompt_of(policy, "x" * n) for n in (1, 40, 7, 90, 3, 64, 12, 25)]
     asked = [ask(generator, p, n=10 + i) for i, p in enumerate(prompts)]
-    # score once all are done: the model must not run in two threads at once
     results = [reply.result() for reply, _ in asked]
     for i, result in enumerate(results):
         assert result.prompt_ids == prompts[i]
         assert 1 <= len(result.response_ids) <= 10 + i
         assert len(result.logprobs) == len(result.response_ids)
-        assert result.logprobs == pytest.approx(scored(policy, result), abs=1e-4)
+        assert result.logprobs == pytest.approx(scored(policy, generator, result), abs=1e-4)
         assert result.text == policy.decode(result.response_ids)
         eos = result.response_ids[-1] in policy.eos_ids
         assert result.finish_reason == ("stop" if eos else "length")
@@ -165,12 +167,12 @@ def test_a_request_may_set_its_own_temperature(
     greedy = [ask(generator, prompt, n=8, temperature=0.0)[0] for _ in range(2)]
     a, b = (r.result() for r in greedy)
     assert a.response_ids == b.response_ids  # temperature 0: the most likely token
-    with torch.no_grad():
+    with generator.paused(), torch.no_grad():
         logits = policy.model(torch.tensor([prompt])).logits[0, -1]
     assert a.response_ids[0] == int(logits.argmax())
     hot, _ = ask(generator, prompt, n=8, temperature=1.5)
     result = hot.result()
-    assert result.logprobs == pytest.approx(scored(policy, result, 1.5), abs=1e-4)
+    assert result.logprobs == pytest.approx(scored(policy, generator, result, 1.5), abs=1e-4)
 
 
 def test_requests_wait_while_paused_and_start_after_resume(
@@ -205,7 +207,7 @@ def test_after_an_update_no_kv_from_the_old_weights_is_reused(
     prompt = prompt_of(policy, "the same task prompt, repeated by every episode " * 3)
     first = ask(generator, prompt, n=6)[0].result()
     again = ask(generator, prompt, n=6)[0].result()  # shares the cached prompt blocks
-    assert again.logprobs == pytest.approx(scored(policy, again), abs=1e-4)
+    assert again.logprobs == pytest.approx(scored(policy, generator, again), abs=1e-4)
     before = {k: v.clone() for k, v in policy.model.state_dict().items()}
     cfg = engine_config_from_job(AgentJetJob(lr=0.05, ppo_epochs=3), cuda_devices=0,
                                  cpu_count=1)
@@ -216,13 +218,14 @@ def test_after_an_update_no_kv_from_the_old_weights_is_reused(
         with generator.paused():  # what the trainer does around every update
             learner.update([sample])
         after = ask(generator, prompt, n=6)[0].result()
-        new_scores = scored(policy, after)
+        new_scores = scored(policy, generator, after)
         assert after.logprobs == pytest.approx(new_scores, abs=1e-4)
         # the test would catch stale KV: the old weights score this reply differently
         updated = {k: v.clone() for k, v in policy.model.state_dict().items()}
         with generator.paused():
             policy.model.load_state_dict(before)
-            old_scores = scored(policy, after)
+        old_scores = scored(policy, generator, after)
+        with generator.paused():
             policy.model.load_state_dict(updated)
         assert max(abs(a - b) for a, b in zip(new_scores, old_scores, strict=True)) > 1e-2
     finally:
