@@ -33,6 +33,7 @@ from bench import (
     bench_mcp,
     bench_restart,
     bench_sync,
+    bench_train_memory,
     bench_training,
 )
 from bench.context import BenchContext
@@ -51,6 +52,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "restart": bench_restart.run,
     "generation": bench_generation.run,
     "training": bench_training.run,
+    "train_memory": bench_train_memory.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

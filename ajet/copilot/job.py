@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-__all__ = ["AgentJetJob", "JobValidationError", "default_job_values"]
+__all__ = ["LORA_LR_SCALE", "AgentJetJob", "JobValidationError", "default_job_values"]
 
 
 @functools.cache
@@ -28,6 +28,12 @@ def default_job_values() -> dict[str, Any]:
 
 def _default(name: str) -> Any:
     return default_job_values()[name]
+
+
+#: With LoRA and no `lr` given, lr = this x the full fine-tuning default (LoRA's best
+#: learning rate is about 10x full fine-tuning's across model sizes; "LoRA Without
+#: Regret", Schulman et al. 2025).
+LORA_LR_SCALE = 10.0
 
 
 class JobValidationError(ValueError):
@@ -92,6 +98,46 @@ class AgentJetJob(BaseModel):
         description="GPU only: fraction of each GPU's memory the engine may hold while it "
                     "generates (weights, optimizer state, KV cache); the KV cache gets what is "
                     "left. As in the original AgentJet (vLLM's knob). Ignored on CPU")
+
+    # --- training at scale (issue 16: LoRA, activation checkpointing, micro-batches);
+    # --- the engine side is ajet/engine/config.py, docs/distributed.md
+    lora_rank: int = Field(
+        default_factory=lambda: _default("lora_rank"), ge=0, le=4096,
+        description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapters train "
+                    f"(peft), and `lr` defaults to {LORA_LR_SCALE:g}x its full fine-tuning "
+                    "default when not given")
+    lora_alpha: int = Field(default_factory=lambda: _default("lora_alpha"), gt=0, le=1_000_000,
+                              description="LoRA scaling: adapters add (alpha / rank) * B A")
+    lora_target_modules: str | list[str] = Field(
+        default_factory=lambda: _default("lora_target_modules"),
+        description="Modules that get adapters: 'all-linear' (every linear layer but the "
+                    "output head), a list of module names such as [q_proj, v_proj], or a "
+                    "regex, as peft's LoraConfig.target_modules")
+    lora_save_merged: bool = Field(
+        default_factory=lambda: _default("lora_save_merged"),
+        description="Checkpoints also hold the base model with the adapters merged in "
+                    "(merged/); the adapter alone is always saved")
+    activation_checkpointing: bool | Literal["auto"] = Field(
+        default_factory=lambda: _default("activation_checkpointing"),
+        description="Recompute each decoder layer's activations in backward instead of "
+                    "keeping them; 'auto' = on for GPU jobs, off on CPU")
+    micro_batch_tokens: int = Field(
+        default_factory=lambda: _default("micro_batch_tokens"), ge=1, le=100_000_000,
+        description="Most (padded) prompt + response tokens per forward/backward pass; "
+                    "gradients accumulate over micro-batches, so this bounds the update's "
+                    "peak memory whatever the response lengths")
+    mini_batch_num: int = Field(
+        default_factory=lambda: _default("mini_batch_num"), ge=1, le=10_000,
+        description="Optimizer steps per batch and epoch: the batch's task groups are "
+                    "split into this many mini-batches, each one optimizer step")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_learning_rate(cls, data: Any) -> Any:
+        # adapters need a larger step than full fine-tuning; only when lr is not given
+        if isinstance(data, dict) and "lr" not in data and (data.get("lora_rank") or 0) > 0:
+            return {**data, "lr": _default("lr") * LORA_LR_SCALE}
+        return data
 
     @model_validator(mode="after")
     def _check_consistency(self) -> AgentJetJob:

@@ -8,7 +8,8 @@ Modules, one noun each (read in this order):
 
     config.py       AgentJetJob -> EngineConfig, backend defaults
     tiny.py         the built-in `ajet-tiny` checkpoint, built locally
-    policy.py       load a checkpoint; chat template; sampling and token log-probs
+    policy.py       load a checkpoint; chat template; sampling
+    scoring.py      response-token log-probs and entropy, logits in chunks
     inference.py    the generation interface (Generator, GenerationRequest, ...)
     continuous_batching.py  its backend: KV cache + continuous batching (transformers)
     kv_cache.py     KV cache sizing from the job and the memory available
@@ -21,11 +22,14 @@ Modules, one noun each (read in this order):
     rewards.py      reward processing
     advantages.py   GRPO advantages
     loss.py         clipped policy-gradient loss with optional KL
-    learner.py      optimizer and the update over ppo_epochs
+    training_model.py  the trained model: fp32 masters, LoRA, checkpointing, FSDP2,
+                    and publishing its weights to the inference model
+    lora.py         LoRA adapters through peft
+    learner.py      optimizer and the update over ppo_epochs and mini-batches
     metrics.py      metrics.jsonl
-    checkpoints.py  Hugging Face checkpoint directories
+    checkpoints.py  Hugging Face checkpoint directories and the sharded training state
     trainer.py      the step loop (ROLLING -> ROLLING_POST -> WEIGHT_SYNCING)
-    distributed.py  several processes under torchrun: rank 0 and the collectives
+    distributed.py  several processes under torchrun: rank 0, FSDP2, the collectives
     runtime.py      process assembly: boot, serve, signals, shutdown
 """
 

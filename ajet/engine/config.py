@@ -47,8 +47,9 @@ class BackendDefaults:
     cpu_max_batch_tokens: int = 256
     #: Share KV blocks between requests with the same prompt prefix (never across updates).
     prefix_sharing: bool = True
-    #: Sequences per forward/backward in the update; gradients accumulate across them.
-    micro_batch_size: int = 64
+    #: Response tokens per chunk of output-head logits when scoring (scoring.py): the
+    #: update never holds more than this many positions' (vocabulary-wide) logits.
+    logprob_chunk_tokens: int = 1024
     #: GRPO: added to the group's std before dividing (advantages.py).
     adv_eps: float = 1e-6
     #: Rewards are clipped to [-reward_clip, reward_clip]; None keeps them as sent.
@@ -89,9 +90,19 @@ class EngineConfig:
     gpu_memory_utilization: float
     n_gpu: int
     n_proc: int
+    lora_rank: int
+    lora_alpha: int
+    lora_target_modules: str | tuple[str, ...]
+    lora_save_merged: bool
+    micro_batch_tokens: int
+    mini_batch_num: int
     # --- derived / backend
     device: str
+    #: compute dtype: what generation and the forward/backward passes run in
     dtype: str
+    #: stored dtype of the trained weights and of the optimizer state (fp32 masters)
+    master_dtype: str
+    activation_checkpointing: bool
     cpu_threads: int
     max_in_flight: int
     max_generation_batch: int
@@ -99,7 +110,7 @@ class EngineConfig:
     cpu_kv_cache_mb: float
     cpu_max_batch_tokens: int
     prefix_sharing: bool
-    micro_batch_size: int
+    logprob_chunk_tokens: int
     adv_eps: float
     reward_clip: float | None
     adam_betas: tuple[float, float]
@@ -109,6 +120,10 @@ class EngineConfig:
     @property
     def episodes_per_step(self) -> int:
         return self.batch_size * self.num_repeat
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_rank > 0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -152,9 +167,21 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         gpu_memory_utilization=job.gpu_memory_utilization,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
+        lora_rank=job.lora_rank,
+        lora_alpha=job.lora_alpha,
+        lora_target_modules=(job.lora_target_modules if isinstance(job.lora_target_modules, str)
+                             else tuple(job.lora_target_modules)),
+        lora_save_merged=job.lora_save_merged,
+        micro_batch_tokens=job.micro_batch_tokens,
+        mini_batch_num=job.mini_batch_num,
         device="cuda" if on_gpu else "cpu",
-        # bf16 halves memory and is what GPUs train in; CPUs are slow in bf16.
+        # GPUs compute in bf16 over fp32 master weights and optimizer state (bf16 weights
+        # lose small updates: at lr 1e-6 only ~2% of them change); CPUs are slow in bf16.
         dtype="bfloat16" if on_gpu else "float32",
+        master_dtype="float32",
+        # memory is what GPUs run out of; on CPU the recompute only costs time
+        activation_checkpointing=(on_gpu if job.activation_checkpointing == "auto"
+                                  else bool(job.activation_checkpointing)),
         cpu_threads=max(1, min(threads, cpu_count)),
         max_in_flight=max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
         max_generation_batch=backend.max_generation_batch,
@@ -162,7 +189,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         cpu_kv_cache_mb=backend.cpu_kv_cache_mb,
         cpu_max_batch_tokens=backend.cpu_max_batch_tokens,
         prefix_sharing=backend.prefix_sharing,
-        micro_batch_size=backend.micro_batch_size,
+        logprob_chunk_tokens=backend.logprob_chunk_tokens,
         adv_eps=backend.adv_eps,
         reward_clip=backend.reward_clip,
         adam_betas=(backend.adam_beta1, backend.adam_beta2),

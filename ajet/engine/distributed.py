@@ -1,23 +1,31 @@
-"""Several engine processes under `torchrun`: who is rank 0, DDP, and the few collectives.
+"""Several engine processes under `torchrun`: who is rank 0, FSDP2, and the few collectives.
 
 `torchrun --nproc_per_node=N -m ajet.engine ...` starts N copies of the engine; each
 finds its `RANK`, `WORLD_SIZE` and `LOCAL_RANK` in the environment. Rank 0 owns the
 episode plane (private channel, generation), the metrics line and the checkpoints;
-every rank holds a replica of the policy and trains on its share of each batch.
+every rank trains on its share of each batch.
 
-Gradients go through `torch.nn.parallel.DistributedDataParallel` (`Dist.data_parallel`;
-NCCL on GPUs, gloo on CPU) with its built-in reduction, the mean over the ranks. Each
-rank's loss is its share of the whole batch's loss (normalised by the batch's token
-count) and is scaled by the world size before backward, so the mean DDP takes is the
-sum over the ranks: the gradient of the whole batch, exactly as in one process. (A
-Python communication hook summing instead was tried and dropped: its future callback
-needs the GIL on gloo's worker thread, and a rank deadlocked when DDP was freed.) Besides DDP the engine needs a few
-collectives, all behind `Dist`: broadcast a Python object from rank 0 (the step's batch,
-or "stop"), sum a few floats (metrics), the largest of one integer (the step's
-micro-batch count, so every rank runs as many backward passes as DDP expects), and
-gather one object per rank (each rank's `ajet.__file__`). With one process `Dist` does
-them locally without touching torch.distributed and never wraps the model in DDP, so
-the single-process engine has no "am I distributed?" branches and no DDP overhead (the
+The trained model is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`,
+`Dist.shard`): one unit per decoder layer and one at the root (embeddings, final norm
+and output head, so tied embeddings stay one parameter in one unit). Each rank keeps
+1/N of the parameters, gradients and optimizer state; a unit's full weights exist only
+while its forward or backward runs. On GPUs the mixed-precision policy is
+`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`: fp32 master weights and
+optimizer state, bf16 compute, gradients reduced in fp32. On CPU (gloo) it is fp32
+throughout, through the same code. Gradients are reduce-scattered in every backward
+(so they stay sharded while they accumulate over micro-batches) with FSDP's default
+reduction, the mean over the ranks; each rank's loss is its share of the whole batch's
+loss and is scaled by the world size before backward, so the mean is the sum: the
+gradient of the whole batch, exactly as in one process.
+
+Besides FSDP the engine needs a few collectives, all behind `Dist`: broadcast a Python
+object from rank 0 (the step's batch, a checkpoint request, or "stop"), sum a few floats
+(metrics), the largest of one integer (the step's micro-batch count, so every rank runs
+as many forward and backward passes as FSDP's all-gathers expect), gather one object per
+rank (each rank's `ajet.__file__`), full weights out of the shards (`full_state_dict` for
+checkpoints, `copy_full_weights` for the inference model). With one process `Dist` does
+them locally without touching torch.distributed and never shards the model, so the
+single-process engine has no "am I distributed?" branches and no FSDP overhead (the
 null object of nanochat's `DummyWandb`).
 """
 
@@ -33,17 +41,13 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["Dist", "init_distributed", "start_orphan_watchdog"]
+__all__ = ["Dist", "clip_grad_norm", "copy_full_weights", "init_distributed",
+           "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
-
-#: DDP wrappers are never freed: freeing one with gloo can deadlock the rank (the
-#: Reducer's destructor joins gloo's worker thread while holding the GIL, and that thread
-#: may need the GIL to release its last tensors; seen about one run in six here). The
-#: engine leaves with `os._exit` (`ajet/engine/__main__.py`), so they die with it.
-_LIVE_UNTIL_EXIT: list[torch.nn.Module] = []
 
 T = TypeVar("T")
 
@@ -56,6 +60,8 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    #: where the shards live: "cuda" with NCCL, "cpu" with gloo (even on a GPU machine)
+    device_type: str = "cpu"
 
     @property
     def is_main(self) -> bool:
@@ -88,30 +94,47 @@ class Dist:
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
         return int(t.item())
 
-    def data_parallel(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`module` wrapped in DDP (gradients averaged over the ranks); `module` itself alone.
+    def shard(self, root: nn.Module, units: list[nn.Module], *,
+              param_dtype: torch.dtype | None = None) -> nn.Module:
+        """FSDP2 over `units` (the decoder layers) and `root`; `root` itself alone.
 
-        Call it on every rank at the same point (the constructor broadcasts rank 0's
-        parameters and buffers). Train through the wrapper; generate and save through
-        `module`, which the wrapper shares (`ddp.module is module`).
+        Call it on every rank at the same point, with the same weights on every rank
+        (each rank keeps its own slice). `param_dtype` is the compute dtype when it
+        differs from the stored one (bf16 over fp32 masters on GPUs); gradients are then
+        reduced in fp32. Create the optimizer afterwards: sharding replaces the
+        parameters with `DTensor`s.
         """
         if not self.active:
-            return module
-        on_gpu = next(module.parameters()).device.type == "cuda"
-        ddp = DistributedDataParallel(
-            module, device_ids=[self.local_rank] if on_gpu else None,
-            # a micro-batch may leave parameters unused (mixture-of-experts routing); their
-            # gradient then counts as 0 on that rank instead of DDP failing the next step
-            find_unused_parameters=True)
-        _LIVE_UNTIL_EXIT.append(ddp)
-        return ddp
+            return root
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def sync_parameters(self, module: torch.nn.Module) -> None:
-        """Make every replica start from rank 0's weights."""
+        # an explicit mesh: fully_shard's default picks CUDA whenever it is available
+        mesh = init_device_mesh(self.device_type, (self.world_size,))
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype,
+                                      reduce_dtype=torch.float32 if param_dtype else None)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        # the root last; it moves whatever is left (embeddings, head) to the mesh's device
+        fully_shard(root, mesh=mesh, mp_policy=policy)
+        return root
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict on CPU on rank 0, `{}` on the others.
+
+        Collective under FSDP: every rank calls it. Memory: the whole model in its stored
+        dtype in rank 0's host memory while the caller holds the dict.
+        """
         if not self.active:
-            return
-        for tensor in [*module.parameters(), *module.buffers()]:
-            torch_dist.broadcast(tensor.data, src=0)
+            return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
+
+    def barrier(self) -> None:
+        if self.active:
+            torch_dist.barrier()
 
     def gather(self, obj: T) -> list[T]:
         if not self.active:
@@ -125,6 +148,36 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
+def copy_full_weights(source: nn.Module, target: nn.Module | None, *,
+                      trainable_only: bool = False) -> None:
+    """Copy `source`'s weights, gathered whole if sharded, into `target` (by name).
+
+    The one way to get full (unsharded) weights for inference out of the trained model:
+    `target` is a plain module of the same architecture (any dtype, any device); ranks
+    without one pass None. Collective when `source` is sharded: every rank calls it, in
+    the same order. One parameter is gathered at a time, so the extra memory is that of
+    the largest parameter (the embedding). `trainable_only` skips frozen parameters
+    (LoRA: only the adapters change in an update). `source is target` does nothing.
+    """
+    if source is target:
+        return
+    targets = dict(target.named_parameters()) if target is not None else {}
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            if trainable_only and not param.requires_grad:
+                continue
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if target is not None:
+                targets[name].copy_(full)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """`clip_grad_norm_` whose norm is over the whole model, sharded or not."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if isinstance(norm, DTensor):  # sharded gradients: the norm is a DTensor, reduced here
+        norm = norm.full_tensor()
+    return float(norm)
+
 
 def init_distributed(*, on_gpu: bool) -> Dist:
     """Join the process group `torchrun` set up, or return the single-process `Dist`."""
@@ -137,7 +190,8 @@ def init_distributed(*, on_gpu: bool) -> Dist:
         torch.cuda.set_device(local_rank)
     torch_dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
     log.info("rank %d of %d joined (%s, local rank %d)", rank, world_size, backend, local_rank)
-    return Dist(rank=rank, world_size=world_size, local_rank=local_rank)
+    return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
+                device_type="cuda" if on_gpu else "cpu")
 
 
 def start_orphan_watchdog(interval_s: float = 0.5) -> None:

@@ -1,30 +1,34 @@
-"""The learner: optimizer state and the policy update over `ppo_epochs`.
+"""The learner: optimizer state and the policy update over `ppo_epochs` and mini-batches.
 
-One optimizer step per epoch over the whole batch: micro-batches accumulate gradients
-of `loss.policy_loss` (normalised by the batch's response-token count, so accumulation
-equals one big batch), then the gradient norm is clipped to `max_grad_norm` and AdamW
-steps. With `kl_coef > 0` a frozen copy of the initial policy is kept as reference.
+Per epoch the batch's task groups are split into `mini_batch_num` mini-batches (whole
+groups, in order), and each mini-batch is one optimizer step: its micro-batches
+accumulate gradients of `loss.policy_loss` (normalised by the mini-batch's response-token
+count, so accumulation equals one big batch), then the gradient norm is clipped to
+`max_grad_norm` and AdamW steps. Micro-batches are cut by a token budget
+(`micro_batch_tokens`: rows x longest prompt + response, padding included), not by a
+row count, so long responses make more micro-batches instead of a higher peak; a sample
+longer than the budget goes alone. The trained model (`training_model.py`: fp32 master
+weights, LoRA, activation checkpointing, FSDP2) scores responses in chunks
+(`scoring.py`), so no micro-batch ever holds its whole vocabulary-wide logits.
 
 Nothing here knows about episodes, HTTP or files: it takes `TrainSample`s and returns
 `UpdateStats`. Under torchrun every rank calls `update` with the whole batch and trains
-on the task groups with `group % world_size == rank` through the policy wrapped in
-DistributedDataParallel (`Dist.data_parallel`), which averages the gradients over the
-ranks in the last backward pass of the step (each rank's loss is scaled by the world
-size first, so the average is the sum); metric sums are added up the same way, and
-every rank then takes the same optimizer step, so the replicas stay identical.
+on the task groups with `group % world_size == rank` through the FSDP2-sharded model,
+whose backward reduce-scatters the gradients (FSDP's mean; each rank's loss is scaled
+by the world size first, so the mean is the sum); metric sums are added up the same way,
+and every rank then takes its part of the same optimizer step.
 
-Whole groups make the ranks' micro-batch counts differ, while DDP needs every rank to
-run the same number of backward passes: the ranks agree on the largest count, and a
-rank with fewer runs zero-weight micro-batches (a real forward and backward of one
-sample, loss times 0) so its gradient hooks fire with nothing added. All backward
-passes but the last run under `no_sync`, so gradients are reduced once per step. With
-one process there is no wrapper and no padding: plain local training.
+Whole groups make the ranks' micro-batch counts differ, while FSDP needs every rank to
+run the same number of forward and backward passes (each gathers and reduces over all
+ranks): the ranks agree on the largest count, and a rank with fewer runs zero-weight
+micro-batches (a real forward and backward of the batch's shortest sample, loss times 0)
+that add nothing. At the end of `update` the new weights are published to the
+inference model (`TrainingModel.publish`). With one process there is no sharding and no
+padding: plain local training.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import time
 from collections.abc import Sequence
@@ -33,11 +37,13 @@ from dataclasses import dataclass
 import torch
 
 from ajet.engine.config import EngineConfig
-from ajet.engine.distributed import Dist
+from ajet.engine.distributed import Dist, clip_grad_norm
 from ajet.engine.loss import LossTerms, policy_loss
-from ajet.engine.policy import Policy, score_responses
+from ajet.engine.policy import Policy
+from ajet.engine.scoring import pack_responses
+from ajet.engine.training_model import TrainingModel, build_training_model
 
-__all__ = ["Learner", "TrainSample", "UpdateStats"]
+__all__ = ["Learner", "TrainSample", "UpdateStats", "micro_batches", "mini_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,40 @@ class TrainSample:
     advantage: float
     #: index of the episode's task group in the batch; ranks split the batch by group
     group: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def mini_batches(samples: Sequence[TrainSample], count: int) -> list[list[TrainSample]]:
+    """Split into at most `count` parts of whole task groups, in group order."""
+    groups = sorted({s.group for s in samples})
+    count = max(1, min(count, len(groups)))
+    parts: list[list[TrainSample]] = []
+    for i in range(count):  # group i * n // count ... as evenly as whole groups allow
+        chosen = set(groups[i * len(groups) // count:(i + 1) * len(groups) // count])
+        parts.append([s for s in samples if s.group in chosen])
+    return parts
+
+
+def micro_batches(samples: Sequence[TrainSample], token_budget: int) -> list[list[TrainSample]]:
+    """Cut into micro-batches of at most `token_budget` padded tokens (rows x longest row).
+
+    Samples are taken longest first, so rows of similar length share a micro-batch and
+    little is padding; a sample longer than the budget gets a micro-batch of its own.
+    """
+    out: list[list[TrainSample]] = []
+    current: list[TrainSample] = []
+    for sample in sorted(samples, key=lambda s: s.length, reverse=True):
+        # longest first: the first row of a micro-batch is its widest
+        if current and (len(current) + 1) * current[0].length > token_budget:
+            out.append(current)
+            current = []
+        current.append(sample)
+    if current:
+        out.append(current)
+    return out
 
 
 @dataclass
@@ -73,106 +113,84 @@ class Learner:
         self.policy = policy
         self.cfg = cfg
         self.dist = dist or Dist()
-        self.params = [p for p in policy.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, betas=cfg.adam_betas,
+        self.model: TrainingModel = build_training_model(policy, cfg, self.dist)
+        self.optimizer = torch.optim.AdamW(self.model.params, lr=cfg.lr, betas=cfg.adam_betas,
                                            weight_decay=cfg.weight_decay)
-        self.reference = None
-        if cfg.kl_coef > 0:
-            self.reference = copy.deepcopy(policy.model).eval()
-            for p in self.reference.parameters():
-                p.requires_grad_(False)
-        # after the reference copy, so the copy carries no DDP hooks; generation and
-        # checkpoints keep using `policy.model`, which the wrapper shares
-        self.train_model: torch.nn.Module = self.dist.data_parallel(policy.model)
 
     def update(self, samples: Sequence[TrainSample]) -> UpdateStats:
         """Train on this rank's share of `samples` (the whole batch, same on every rank).
 
-        Holds the policy lock so no token is sampled meanwhile.
+        Holds the policy lock so no token is sampled meanwhile, and publishes the new
+        weights to the inference model before it returns.
         """
         start = time.perf_counter()
         samples = [s for s in samples if s.response_ids]
         n_tokens = sum(len(s.response_ids) for s in samples)  # of the whole batch
         if not samples:
             return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, time.perf_counter() - start)
-        dist = self.dist
-        mine = [s for s in samples if s.group % dist.world_size == dist.rank]
-        cfg = self.cfg
-        micro_batches = [mine[i:i + cfg.micro_batch_size]
-                         for i in range(0, len(mine), cfg.micro_batch_size)]
-        # every rank runs as many backward passes as the busiest one (DDP's hooks pair up)
-        n_micro = dist.max_int(len(micro_batches), self.policy.device)
+        dist, cfg = self.dist, self.cfg
+        # a rank short of micro-batches repeats this one with weight 0 (see the docstring)
+        filler = min(samples, key=lambda s: s.length)
         losses: list[float] = []
         kl_sum = entropy_sum = clipped = grad_norm = 0.0
         with self.policy.lock:
-            self.train_model.train()
+            self.model.train()
             try:
                 for epoch in range(cfg.ppo_epochs):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    # local sums: loss (already / n_tokens), kl, entropy, clipped tokens
-                    sums = [0.0, 0.0, 0.0, 0.0]
-                    for index in range(n_micro):
-                        real = index < len(micro_batches)
-                        # a rank short of micro-batches repeats the batch's first sample
-                        # with weight 0: its hooks fire, its gradient adds nothing
-                        micro = micro_batches[index] if real else samples[:1]
-                        with self._accumulating(last=index == n_micro - 1):
+                    kl_sum = clipped = 0.0
+                    for part in mini_batches(samples, cfg.mini_batch_num):
+                        part_tokens = sum(len(s.response_ids) for s in part)
+                        mine = [s for s in part if s.group % dist.world_size == dist.rank]
+                        micros = micro_batches(mine, cfg.micro_batch_tokens)
+                        # every rank runs as many passes as the busiest one (FSDP collectives)
+                        n_micro = dist.max_int(len(micros), self.policy.device)
+                        self.optimizer.zero_grad(set_to_none=True)
+                        # local sums: loss (already / part_tokens), kl, entropy, clipped tokens
+                        sums = [0.0, 0.0, 0.0, 0.0]
+                        for index in range(n_micro):
+                            real = index < len(micros)
                             terms, entropy = self._micro_batch(
-                                micro, n_tokens, with_entropy=real and epoch == 0)
-                            # x world_size: DDP averages over the ranks, we want the sum
+                                micros[index] if real else [filler], part_tokens)
+                            # x world_size: FSDP averages over the ranks, we want the sum
                             weight = float(dist.world_size) if real else 0.0
                             (terms.loss * weight).backward()
-                        if not real:
-                            continue
-                        sums[0] += float(terms.loss.detach())
-                        sums[1] += terms.kl_sum if self.reference is not None \
-                            else terms.approx_kl_old_sum
-                        sums[2] += entropy
-                        sums[3] += terms.clipped_tokens
-                    # each rank's loss is its share of the batch loss, scaled by the world
-                    # size before DDP's mean: the reduced gradient is the whole batch's
-                    sums = dist.sum_floats(sums, self.policy.device)
-                    grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params,
-                                                                     cfg.max_grad_norm))
-                    self.optimizer.step()
-                    losses.append(sums[0])
-                    kl_sum = sums[1]
-                    if epoch == 0:
-                        entropy_sum = sums[2]
-                    clipped = sums[3]
+                            if not real:
+                                continue
+                            sums[0] += float(terms.loss.detach())
+                            sums[1] += terms.kl_sum if cfg.kl_coef > 0 else terms.approx_kl_old_sum
+                            sums[2] += entropy
+                            sums[3] += terms.clipped_tokens
+                        sums = dist.sum_floats(sums, self.policy.device)
+                        grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
+                        self.optimizer.step()
+                        losses.append(sums[0])
+                        kl_sum += sums[1]
+                        clipped += sums[3]
+                        if epoch == 0:
+                            entropy_sum += sums[2]
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
-                self.train_model.eval()
+                self.model.train(False)
+            self.model.publish()
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
             samples=len(samples), seconds=time.perf_counter() - start)
 
-    def _accumulating(self, *, last: bool) -> contextlib.AbstractContextManager[object]:
-        """DDP's `no_sync` for every backward but the step's last (which reduces)."""
-        if last or self.train_model is self.policy.model:
-            return contextlib.nullcontext()
-        return self.train_model.no_sync()  # type: ignore[operator]
-
-    def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int, *, with_entropy: bool
+    def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int
                      ) -> tuple[LossTerms, float]:
         cfg, policy = self.cfg, self.policy
-        prompts = [list(s.prompt_ids) for s in micro]
-        responses = [list(s.response_ids) for s in micro]
-        logprobs, mask, entropy = score_responses(
-            self.train_model, prompts, responses, pad_id=policy.pad_id,
-            temperature=cfg.temperature, device=policy.device, with_entropy=with_entropy)
-        width = mask.size(1)
+        batch = pack_responses([s.prompt_ids for s in micro], [s.response_ids for s in micro],
+                               pad_id=policy.pad_id, device=policy.device)
+        # the reference first: no graph of the training forward is pending meanwhile
+        ref = self.model.reference_logprobs(batch, temperature=cfg.temperature) \
+            if cfg.kl_coef > 0 else None
+        logprobs, entropy = self.model.scorer(batch, temperature=cfg.temperature)  # (B, R)
+        width = batch.mask.size(1)
         old = torch.zeros_like(logprobs)  # (B, R)
         for row, s in enumerate(micro):
             old[row, :len(s.old_logprobs)] = torch.tensor(s.old_logprobs[:width])
         advantages = torch.tensor([s.advantage for s in micro], device=policy.device)  # (B,)
-        ref = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref, _, _ = score_responses(self.reference, prompts, responses,
-                                            pad_id=policy.pad_id, temperature=cfg.temperature,
-                                            device=policy.device)
-        terms = policy_loss(logprobs, old, advantages, mask, clip_ratio=cfg.clip_ratio,
+        terms = policy_loss(logprobs, old, advantages, batch.mask, clip_ratio=cfg.clip_ratio,
                             n_tokens=n_tokens, ref_logprobs=ref, kl_coef=cfg.kl_coef)
-        return terms, float(entropy.sum()) if entropy is not None else 0.0
+        return terms, float(entropy.detach().sum())

@@ -3,7 +3,10 @@ the engine needs from it, sampling one token with its log-prob and scoring respo
 
 `model` in the job is either `ajet-tiny` (built locally by `tiny.py`) or a local
 checkpoint directory such as `/mnt/models/Qwen2.5-7B-Instruct`; both are loaded by
-`AutoModelForCausalLM` / `AutoTokenizer`. CPU runs in fp32, GPU in bf16.
+`AutoModelForCausalLM` / `AutoTokenizer`. `Policy.model` is the model generation runs,
+in the compute dtype: fp32 on CPU, bf16 on GPU. The update trains fp32 master weights
+(`training_model.py`) and publishes them into it after every step; `score_responses`
+(chunked log-probs, `scoring.py`) is re-exported here.
 
 Log-probs are those of the temperature-scaled distribution `softmax(logits / T)`, both
 when sampling and when training, so the ratio in the loss compares like with like.
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from ajet.engine.scoring import score_responses
 from ajet.engine.tiny import TINY_MODEL_NAME, ensure_tiny_model
 
 __all__ = ["Policy", "load_policy", "resolve_model_path", "sample_tokens", "score_responses"]
@@ -130,45 +134,3 @@ def sample_tokens(policy: Policy, sequences: list[list[int]], *, temperature: fl
     tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
     chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # (B,)
     return tokens.tolist(), chosen.tolist()
-
-
-def score_responses(model: PreTrainedModel, prompts: list[list[int]],
-                    responses: list[list[int]], *, pad_id: int, temperature: float,
-                    device: torch.device, with_entropy: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Log-probs of each response token given its prompt, under softmax(logits / T).
-
-    Returns `(logprobs, mask, entropy)`, each (B, R) with R the longest response; `mask`
-    is 1 on real response tokens. Gradients flow through `logprobs`; `entropy` (of the
-    full next-token distribution, for metrics) is computed without them.
-    """
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses, strict=True)]
-    width = max(lengths)
-    resp_width = max(1, max(len(r) for r in responses))
-    batch = len(prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long)  # (B, T)
-    attention = torch.zeros((batch, width), dtype=torch.long)  # (B, T), right padding
-    gather_at = torch.zeros((batch, resp_width), dtype=torch.long)  # (B, R)
-    targets = torch.full((batch, resp_width), pad_id, dtype=torch.long)  # (B, R)
-    mask = torch.zeros((batch, resp_width), dtype=torch.float32)  # (B, R)
-    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        seq = prompt + response
-        input_ids[row, :len(seq)] = torch.tensor(seq, dtype=torch.long)
-        attention[row, :len(seq)] = 1
-        n = len(response)
-        # the logits at position t predict token t + 1
-        gather_at[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
-        targets[row, :n] = torch.tensor(response, dtype=torch.long)
-        mask[row, :n] = 1.0
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    gather_at, targets, mask = gather_at.to(device), targets.to(device), mask.to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
-    index = gather_at.unsqueeze(-1).expand(-1, -1, logits.size(-1))  # (B, R, V)
-    picked = logits.gather(1, index).float() / temperature  # (B, R, V)
-    logp_all = F.log_softmax(picked, dim=-1)  # (B, R, V)
-    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask  # (B, R)
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            entropy = -(logp_all.exp() * logp_all).sum(-1) * mask  # (B, R)
-    return logprobs, mask, entropy

@@ -7,9 +7,10 @@ continuous-batching engine cannot serve. One thread owns the model for inference
 between decoding steps requests join the batch and finished ones leave, and each step
 samples one token for every active row (`policy.sample_tokens`).
 
-The policy lock is held for one decoding step at a time and `pause()` takes it, so an
-update never runs in the middle of a forward pass. With no cache there is nothing stale
-to drop after an update: the next step simply reads the new weights.
+The loop holds its step lock (and the policy lock the learner also takes) for one
+decoding step at a time, and `pause()` holds the step lock until `resume()`, so an update
+never runs in the middle of a forward pass. With no cache there is nothing stale to drop
+after an update: the next step simply reads the new weights.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class RecomputeGenerator(Generator):
         self._queue: queue.Queue[GenerationHandle] = queue.Queue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ajet-recompute", daemon=True)
+        #: held by the loop for one step at a time, and by pause() until resume()
+        self._step_lock = threading.Lock()
         self._paused = False
         self.tokens_generated = 0
         self.requests = 0
@@ -100,15 +103,14 @@ class RecomputeGenerator(Generator):
         return handle
 
     def pause(self) -> None:
-        # the loop holds the lock for one step at a time; holding it here stops the loop
         if not self._paused:
-            self.policy.lock.acquire()
+            self._step_lock.acquire()
             self._paused = True
 
     def resume(self) -> None:
         if self._paused:
             self._paused = False
-            self.policy.lock.release()
+            self._step_lock.release()
 
     def stats(self) -> dict[str, Any]:
         return {"backend": "recompute", "requests": self.requests,
@@ -151,7 +153,7 @@ class RecomputeGenerator(Generator):
         temperature, top_p = settings[0]
         step = [row for row, s in zip(rows, settings, strict=True) if s == settings[0]]
         sequences = [row.request.prompt_ids + row.response_ids for row in step]
-        with self.policy.lock:
+        with self._step_lock, self.policy.lock:
             tokens, logprobs = sample_tokens(self.policy, sequences, temperature=temperature,
                                              top_p=top_p, generator=self._generator)
         self.tokens_generated += len(step)

@@ -102,7 +102,6 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
 
     from ajet.engine.channel import ChannelServer
     from ajet.engine.chat_api import EpisodePlane, create_channel_app
-    from ajet.engine.checkpoints import save_checkpoint
     from ajet.engine.config import load_engine_config
     from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
     from ajet.engine.episodes import EpisodeRegistry
@@ -110,7 +109,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.metrics import MetricsWriter
     from ajet.engine.policy import load_policy, resolve_model_path
     from ajet.engine.ranks import RankService, connect_ranks
-    from ajet.engine.trainer import TrainerParts, follow, train
+    from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +147,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         ajet_files = dist.gather(ajet_file)
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
-        dist.sync_parameters(policy.model)
+        # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
         # Everything loaded so far lives until exit: freezing it keeps each garbage
         # collection short (transformers collects whenever the generator rebuilds its
@@ -157,8 +156,10 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         local = _local_generator(cfg, policy)
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
-        if plane is None or registry is None:  # ranks > 0: generate, and train on what
-            steps = follow(learner, dist, local)  # rank 0 sends
+        if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
+            # run what it sends (updates, checkpoints)
+            steps = follow(learner, dist, run_dir=run_dir, run_id=args.run_id,
+                           generator=local)
             log.info("rank %d stopped after %d step(s); it generated %d reply(s)", dist.rank,
                      steps, local.stats().get("requests", 0))
             return 0
@@ -168,13 +169,13 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
-        steps = train(TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
-                                   metrics=metrics, run_dir=run_dir, run_id=args.run_id,
-                                   stop=stop, started=started, dist=dist,
-                                   generator=routed or local))
+        parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
+                             metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
+                             started=started, dist=dist, generator=routed or local)
+        steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
-        save_checkpoint(policy, run_dir / "final", step=steps, run_id=args.run_id)
+        finish(parts, steps)
     finally:
         if routed is not None:
             log.info("generation per rank: %s", ", ".join(

@@ -13,13 +13,16 @@ One step, top to bottom (docs/internals.md):
     (back to ROLLING)
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
-lets an update that has begun finish; the caller then writes the final checkpoint.
+lets an update that has begun finish; the caller then calls `finish`, which writes the
+final checkpoint.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
-other ranks run `follow`: they receive each step's batch from rank 0 and call the same
-`Learner.update` on their share, until rank 0 sends "stop". The update is where the
-ranks meet inside a step (DDP's gradient sum, the metric sums), so every rank must call
-it for every batch, even one whose groups all went to other ranks.
+other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
+(checkpoint name, step)) or ("stop", None), and they call the same `Learner.update` on
+their share, or the same `save_checkpoint`, until "stop". The update and the checkpoint
+are where the ranks meet (FSDP's all-gathers and reduce-scatters, the metric sums, the
+gathered checkpoint), so every rank must run each of them, even an update whose groups
+all went to other ranks.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ajet.engine.policy import Policy
 from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
 
-__all__ = ["TrainerParts", "build_samples", "follow", "train"]
+__all__ = ["TrainerParts", "build_samples", "checkpoint", "finish", "follow", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -117,22 +120,38 @@ def train(parts: TrainerParts) -> int:
         log.info("step %d: reward %.3f, loss %.4f, %d episodes, %.2f s", step,
                  line["reward_mean"], line["loss"], line["episodes"], line["step_time_s"])
         if cfg.save_every and step % cfg.save_every == 0:
-            save_checkpoint(parts.policy, step_checkpoint_dir(parts.run_dir, step), step=step,
-                            run_id=parts.run_id)
+            checkpoint(parts, step_checkpoint_dir(parts.run_dir, step), step)
     registry.set_state(EngineState.ROLLING_POST, step=step)  # no claims while shutting down
-    parts.dist.broadcast(("stop", []))
     return step
 
 
-def follow(learner: Learner, dist: Dist, generator: Generator | None = None) -> int:
-    """Ranks other than 0: train on each batch rank 0 sends, until it says stop."""
+def checkpoint(parts: TrainerParts, target: Path, step: int) -> None:
+    """Rank 0: have every rank save the checkpoint `target` (inside the run directory)."""
+    parts.dist.broadcast(("save", (str(target.relative_to(parts.run_dir)), step)))
+    save_checkpoint(parts.learner, target, step=step, run_id=parts.run_id)
+
+
+def finish(parts: TrainerParts, steps: int) -> None:
+    """Rank 0, after `train`: the final checkpoint, then the other ranks stop."""
+    checkpoint(parts, parts.run_dir / "final", steps)
+    parts.dist.broadcast(("stop", None))
+
+
+def follow(learner: Learner, dist: Dist, *, run_dir: Path, run_id: str | None,
+           generator: Generator | None = None) -> int:
+    """Ranks other than 0: run each command rank 0 sends, until it says stop."""
     steps = 0
     while True:
-        command, samples = dist.broadcast(None)
+        command, payload = dist.broadcast(None)
         if command == "stop":
             return steps
+        if command == "save":
+            # the name is relative: each node resolves it in its own run directory
+            name, step = payload
+            save_checkpoint(learner, run_dir / name, step=step, run_id=run_id)
+            continue
         with _generation_paused(generator):
-            learner.update(samples)
+            learner.update(payload)
         steps += 1
 
 

@@ -105,6 +105,13 @@ def test_training(ctx: BenchContext) -> None:
     _run_module("training", ctx)
 
 
+@pytest.mark.slow
+def test_train_memory(ctx: BenchContext) -> None:
+    rows = _run_module("train_memory", ctx)
+    shards = rows[0]
+    assert shards.ratio is not None and shards.ratio < 0.6  # bytes, not timings: exact
+
+
 def test_cli_prints_one_table_writes_it_and_reports_a_failed_module(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -43,3 +43,25 @@ def test_load_from_yaml_names_a_bad_field(tmp_path) -> None:  # type: ignore[no-
     path.write_text(AgentJetJob(lr=0.01).to_yaml())
     job, cfg = load_engine_config(path, cuda_devices=0, cpu_count=1)
     assert job.lr == cfg.lr == 0.01
+
+
+def test_scale_fields_reach_the_engine_config_with_their_defaults() -> None:
+    cpu = engine_config_from_job(AgentJetJob(), cuda_devices=0, cpu_count=1)
+    gpu = engine_config_from_job(AgentJetJob(n_gpu=1), cuda_devices=1, cpu_count=1)
+    assert (cpu.activation_checkpointing, gpu.activation_checkpointing) == (False, True)
+    assert cpu.master_dtype == gpu.master_dtype == "float32"  # fp32 masters under bf16
+    assert (cpu.lora, cpu.mini_batch_num, cpu.lora_target_modules) == (False, 1, "all-linear")
+    forced = engine_config_from_job(AgentJetJob(activation_checkpointing=True, lora_rank=4,
+                                                lora_target_modules=["q_proj", "v_proj"]),
+                                    cuda_devices=0, cpu_count=1)
+    assert forced.activation_checkpointing and forced.lora_rank == 4
+    assert forced.lora_target_modules == ("q_proj", "v_proj")
+
+
+def test_lora_gets_ten_times_the_default_lr_unless_lr_is_given() -> None:
+    assert AgentJetJob(lora_rank=8).lr == pytest.approx(10 * AgentJetJob().lr)
+    assert AgentJetJob(lora_rank=8, lr=1e-5).lr == 1e-5
+    job = AgentJetJob(lora_rank=8)
+    assert AgentJetJob.from_yaml(job.to_yaml()).lr == job.lr  # resolved once, in the YAML
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        AgentJetJob.from_yaml("activation_checkpointing: sometimes\n")

@@ -81,9 +81,33 @@ def test_sampled_logprobs_match_training_scores(policy: Policy) -> None:
     with torch.no_grad():
         scored, mask, entropy = score_responses(policy.model, prompts, responses,
                                                 pad_id=policy.pad_id, temperature=0.7,
-                                                device=policy.device, with_entropy=True)
+                                                device=policy.device)
     assert torch.allclose(scored, torch.tensor(recorded), atol=1e-4)
     assert mask.sum() == 18 and entropy is not None and float(entropy.min()) > 0
+
+
+def test_chunked_scores_match_whole_logits_and_micro_batches_keep_the_budget(
+        policy: Policy) -> None:
+    from ajet.engine.learner import micro_batches, mini_batches
+    from ajet.engine.scoring import ResponseScorer, pack_responses
+
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    responses = [[20, 21, 22, 23, 24], [25], [26, 27, 28]]
+    batch = pack_responses(prompts, responses, pad_id=policy.pad_id, device=policy.device)
+    with torch.no_grad():
+        whole = ResponseScorer(policy.model, chunk_tokens=10_000)(batch)
+        chunked = ResponseScorer(policy.model, chunk_tokens=3)(batch)  # one position a chunk
+    assert torch.allclose(whole[0], chunked[0], atol=1e-6)
+    assert torch.allclose(whole[1], chunked[1], atol=1e-6)
+    samples = [TrainSample(tuple(range(n)), (1,) * n, (0.0,) * n, 0.0, group=n % 3)
+               for n in (1, 7, 3, 12, 2, 5)]
+    micros = micro_batches(samples, token_budget=16)
+    assert sorted(s.length for m in micros for s in m) == sorted(s.length for s in samples)
+    assert all(len(m) * max(s.length for s in m) <= 16 or len(m) == 1 for m in micros)
+    # lengths 24 (over budget), 14, 10, 6, 4, 2: longest first, rows x widest <= 16
+    assert [len(m) for m in micros] == [1, 1, 1, 2, 1]
+    parts = mini_batches(samples, 2)
+    assert len(parts) == 2 and {s.group for s in parts[0]}.isdisjoint(s.group for s in parts[1])
 
 
 def test_top_p_keeps_only_the_nucleus(policy: Policy) -> None:
@@ -114,7 +138,7 @@ def test_an_update_raises_the_logprob_of_a_good_reply(policy: Policy, tmp_path: 
                             TrainSample(prompt, bad, tuple(score(bad)), -1.0)])
     assert stats.tokens == 10 and stats.samples == 2 and stats.entropy > 0
     assert sum(score(good)) > before_good and sum(score(bad)) < before_bad
-    saved = save_checkpoint(policy, tmp_path / "final", step=1, run_id="r")
+    saved = save_checkpoint(learner, tmp_path / "final", step=1, run_id="r")
     reloaded = load_policy(saved, device="cpu", dtype="float32", seed=0)
     with torch.no_grad():
         lp, _, _ = score_responses(reloaded.model, [list(prompt)], [list(good)],
