@@ -25,27 +25,19 @@ from ajet.engine.inference import (
     GenerationHandle,
     GenerationRefused,
     GenerationRequest,
-    Generator,
 )
 from ajet.engine.policy import load_policy
 from ajet.engine.tiny import ensure_tiny_model
 from ajet.protocol import EngineState
+from tests.ajet.engine.engine_support import StubGenerator
 
 
-class HoldingGenerator(Generator):
+class HoldingGenerator(StubGenerator):
     """Never finishes a reply by itself; records submits and cancels."""
 
     def __init__(self) -> None:
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[GenerationRequest] = []
-
-    def start(self) -> None: ...
-
-    def stop(self, timeout: float = 10.0) -> None: ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         if len(request.prompt_ids) > 60:

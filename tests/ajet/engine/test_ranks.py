@@ -21,12 +21,12 @@ from ajet.engine.inference import (
     GenerationRefused,
     GenerationRequest,
     GenerationResult,
-    Generator,
 )
 from ajet.engine.ranks import RankRouter, RankService, RemoteGenerator
+from tests.ajet.engine.engine_support import StubGenerator
 
 
-class EchoGenerator(Generator):
+class EchoGenerator(StubGenerator):
     """Replies with the prompt reversed, one token per `step_s`; `hold` keeps it going."""
 
     def __init__(self, step_s: float = 0.0) -> None:
@@ -34,14 +34,6 @@ class EchoGenerator(Generator):
         self.hold = threading.Event()
         self.submitted: list[GenerationRequest] = []
         self.cancelled: list[GenerationRequest] = []
-
-    def start(self) -> None: ...
-
-    def stop(self, timeout: float = 10.0) -> None: ...
-
-    def pause(self) -> None: ...
-
-    def resume(self) -> None: ...
 
     def validate(self, request: GenerationRequest) -> None:
         if len(request.prompt_ids) > 100:
