@@ -22,8 +22,8 @@ the sequence, so its tokens/s is an upper bound and the ratio a lower bound.
 Time to first token: one request with a 256-token prompt on an idle generator, until
 its first token is sampled (`max_new_tokens=1`).
 
-The generation runs in a child process (`python -m bench.bench_generation`), so that torch's thread setting and
-the models stay out of the benchmark process.
+The generation runs in a child process (`python -m bench.bench_generation`), so that
+torch's thread setting and the models stay out of the benchmark process.
 """
 
 from __future__ import annotations

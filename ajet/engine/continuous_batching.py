@@ -315,38 +315,41 @@ class ContinuousBatchingGenerator(Generator):
                 self._recover(manager)
 
     def _deliver(self, manager: Any, output: Any) -> None:
+        """One output: the bookkeeping under the lock (so a pause sees it whole or not at
+        all), the callbacks after it."""
+        outcome: GenerationResult | BaseException | None = None
+        stop_early = False
         with self._lock:
             live = self._live.get(output.request_id)
             if live is None:
                 return  # cancelled, stopped by a stop string, or from a closed manager
-            finished = output.is_finished()
-            if output.error is not None or finished:
+            if output.error is not None:
                 del self._live[output.request_id]
-        if output.error is not None:
-            log.warning("%s: request %s failed: %s", self._name, output.request_id, output.error)
-            self._finish(live, RuntimeError(f"generation failed: {output.error}"))
-            return
-        tokens = list(output.generated_tokens)
-        delta = live.reply.update(tokens, done=finished) if live.streaming else ""
-        if live.reply.stopped and not finished:
-            with self._lock:  # a stop string: the rest of the reply is not needed
-                stopped_here = self._live.pop(output.request_id, None) is not None
-            if not stopped_here:
-                return
+                log.warning("%s: request %s failed: %s", self._name, output.request_id,
+                            output.error)
+                outcome, delta = RuntimeError(f"generation failed: {output.error}"), ""
+            else:
+                tokens = list(output.generated_tokens)
+                finished = output.is_finished()
+                delta = live.reply.update(tokens, done=finished) if live.streaming else ""
+                if live.reply.stopped and not finished:  # a stop string: the rest of the
+                    stop_early = finished = True  # reply is not needed
+                if finished:
+                    del self._live[output.request_id]
+                    if not live.streaming:
+                        live.reply.update(tokens, done=True)
+                    self.counters["tokens"] += len(tokens)
+                    reason = ("stop" if live.reply.stopped or (tokens and tokens[-1] in self._eos)
+                              else "length")
+                    outcome = GenerationResult(
+                        prompt_ids=list(live.request.prompt_ids), response_ids=tokens,
+                        logprobs=[float(x) for x in output.logprobs[:len(tokens)]],
+                        text=live.reply.text, finish_reason=reason)
+        if stop_early:
             manager.cancel_request(output.request_id)
-            finished = True
         live.handle.delta(delta)  # type: ignore[union-attr]
-        if not finished:
-            return
-        if not live.streaming:
-            live.reply.update(tokens, done=True)
-        self.counters["tokens"] += len(tokens)
-        reason = "stop" if live.reply.stopped or (tokens and tokens[-1] in self._eos) \
-            else "length"
-        self._finish(live, GenerationResult(
-            prompt_ids=list(live.request.prompt_ids), response_ids=tokens,
-            logprobs=[float(x) for x in output.logprobs[:len(tokens)]], text=live.reply.text,
-            finish_reason=reason))
+        if outcome is not None:
+            self._finish(live, outcome)
 
     def _recover(self, manager: Any) -> None:
         """transformers' loop died (logged by transformers): fail its requests, restart."""
