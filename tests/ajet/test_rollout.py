@@ -20,7 +20,7 @@ class EndsAfter:
         self.ended: list[str] = []
         self.lock = threading.Lock()
 
-    def begin_episode(self, **_: Any) -> BeginEpisodeResponse:
+    def open_episode(self, **_: Any) -> BeginEpisodeResponse:
         with self.lock:
             if self.left == 0:
                 raise EngineStateConflict(409, "engine is ENGINE.OFFLINE", "start_engine")
@@ -29,13 +29,13 @@ class EndsAfter:
         return BeginEpisodeResponse(episode_uuid=f"e{n}", openai_base_url="http://x/v1",
                                     openai_api_key="k")
 
-    def end_episode(self, episode_uuid: str, task_id: str, reward: float,
-                    **_: Any) -> EndEpisodeResponse:
+    def report_episode(self, episode_uuid: str, task_id: str, reward: float,
+                       **_: Any) -> EndEpisodeResponse:
         with self.lock:
             self.ended.append(episode_uuid)
         return EndEpisodeResponse(episode_uuid=episode_uuid, accepted=True)
 
-    def abort_episode(self, episode_uuid: str, **_: Any) -> None:
+    def cancel_episode(self, episode_uuid: str, **_: Any) -> None:
         pass
 
 

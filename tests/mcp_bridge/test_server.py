@@ -91,8 +91,10 @@ async def test_sync_asks_the_human_and_uploads_only_after_accept(
         preview = structured(await _sync(client, dry_run=True))
         assert preview["status"] == "preview" and human.messages == []
         assert snapshot_count(bridge) == 0  # a preview uploads nothing
-        # the cluster runs its own code: every file is added, the diff shows the local edit
-        assert REWARD_FILE in preview["added"] and preview["running_snapshot_id"] == "server"
+        # the cluster runs its own code: every file is added (the list shows the first 25,
+        # sorted), the diff shows the local edit
+        assert "ajet/__init__.py" in preview["added"] and preview["lists_truncated"]
+        assert preview["running_snapshot_id"] == "server"
         assert "+# experiment: double the reward" in preview["diff"]
 
         result = await _sync(client)
