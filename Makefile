@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench bench-peers clean
+.PHONY: setup browser demo test bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -19,8 +19,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(PY) examples/research_loop.py
 
-test: setup
+test: setup browser
 	$(PY) -m pytest -q
+
+# The console's browser tests drive Debian's chromium (Playwright cannot download its own
+# browser here). Installed once when missing and the machine allows it (root with
+# apt-get; about 1.5 min); otherwise the browser tests are skipped and say why.
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: installing chromium for the browser tests (apt-get, once)"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	    >/dev/null) || echo "make: chromium could not be installed; browser tests will skip"; \
+	else echo "make: no /usr/bin/chromium and no root apt-get; browser tests will skip"; fi
 
 bench: setup
 	$(PY) -m bench

@@ -32,6 +32,8 @@ from ajet.errors import (
     error_for_status,
 )
 from ajet.protocol import (
+    ApprovalDecisionPublic,
+    ApprovalsPage,
     AuditPage,
     BeginEpisodeResponse,
     CodeSyncResult,
@@ -45,8 +47,10 @@ from ajet.protocol import (
     ManifestResponse,
     MetricsResponse,
     Provenance,
+    ReviewPage,
     RunPublic,
     RunsPage,
+    ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
     StopEngineResponse,
@@ -265,6 +269,42 @@ class SwarmClient:
     def get_blob(self, sha256: str) -> bytes:
         """One file's bytes from the server's blob store, by content hash."""
         return self._call_raw("GET", f"/code/blobs/{sha256}").content
+
+    def get_snapshot(self, snapshot_ref: str) -> SnapshotPublic:
+        """One snapshot (id or unique prefix) with its manifest and approval."""
+        return self._call("GET", f"/code/snapshots/{snapshot_ref}", model=SnapshotPublic)
+
+    def get_server_code(self) -> ServerCodePublic:
+        """The server's own ajet/ manifest (snapshot id 'server'); control or approver token."""
+        return self._call("GET", "/code/server", model=ServerCodePublic)
+
+    def get_server_blob(self, sha256: str) -> bytes:
+        """One file of the server's own ajet/, by content hash."""
+        return self._call_raw("GET", f"/code/server/blobs/{sha256}").content
+
+    # ------------------------------------------------------------------ approvals (approver token)
+
+    def list_approvals(self, *, recent: int = 20) -> ApprovalsPage:
+        """Pending snapshots and recent decisions (an approver token)."""
+        return self._call("GET", "/approvals", params={"recent": recent}, model=ApprovalsPage)
+
+    def get_review(self, snapshot_ref: str, *, offset: int = 0, limit: int = 500,
+                   base: str | None = None) -> ReviewPage:
+        """One page of a snapshot's review, computed by the server (an approver token)."""
+        params: dict[str, Any] = {"offset": offset, "limit": limit}
+        if base:
+            params["base"] = base
+        return self._call("GET", f"/approvals/{snapshot_ref}", params=params, model=ReviewPage,
+                          timeout=max(self._timeout, 120.0))
+
+    def decide_approval(self, snapshot_id: str, decision: str, *, note: str = ""
+                        ) -> ApprovalDecisionPublic:
+        """`decision` is approve, deny or revoke; `snapshot_id` is the full id (an approver token)."""
+        if decision not in ("approve", "deny", "revoke"):
+            raise ValueError(f"decision {decision!r} is not approve, deny or revoke")
+        return self._call("POST", f"/approvals/{snapshot_id}/{decision}",
+                          json={"snapshot_id": snapshot_id, "note": note},
+                          model=ApprovalDecisionPublic, timeout=max(self._timeout, 120.0))
 
     def gc_snapshots(self, *, keep: int | None = None) -> GCResult:
         params = {"keep": keep} if keep is not None else None

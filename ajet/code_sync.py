@@ -53,13 +53,15 @@ def push_tree(client: SwarmClient, path: str | Path, force_restart: bool = False
 
 
 def push_package(client: SwarmClient, package: Package, *, force_restart: bool = False,
-                 approved_by: str | None = None,
+                 approved_by: str | None = None, activate: bool = True,
                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> CodeSyncResult:
     """Sync an already packaged tree (the MCP bridge packages first to show and approve it).
 
     With `force_restart` a running engine is stopped, the new code activated and the
     engine restarted with its last config; without it a running engine makes the server
     answer 409 (`EngineStateConflict`). Code that is already active is never restarted.
+    On a server that enforces approvals, unapproved content is stored and then refused
+    activation (`ApprovalPending`, a 409); `activate=False` only stores it (for review).
     """
     entries = [e.model_dump() for e in package.entries()]
     provenance = package.provenance.model_dump(mode="json")
@@ -89,7 +91,7 @@ def push_package(client: SwarmClient, package: Package, *, force_restart: bool =
 
     t = time.perf_counter()
     commit = {"snapshot_id": plan.snapshot_id, "files": entries, "provenance": provenance,
-              "force_restart": force_restart, "approved_by": approved_by}
+              "force_restart": force_restart, "approved_by": approved_by, "activate": activate}
     try:
         result = _commit(client, commit)
     except SwarmValidationError as exc:

@@ -8,6 +8,8 @@
         ├── SwarmAuthError           401 / 403: token missing, wrong, or lacks the role
         ├── SwarmNotFound            404: unknown run, snapshot, episode or blob
         ├── EngineStateConflict      409: the engine is in the wrong state for this call
+        │   └── ApprovalPending      409: the code is not approved by an approver (detail
+        │                            has snapshot_id, approval_state, approve_with)
         ├── PayloadTooLarge          413: an upload passed a server limit
         └── SwarmValidationError     400 / 422: bad input; `detail` names the field
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ApprovalPending",
     "EngineStateConflict",
     "PackagingError",
     "PayloadTooLarge",
@@ -78,6 +81,20 @@ class EngineStateConflict(SwarmHTTPError):
     """409: the engine's state does not allow this call now."""
 
 
+class ApprovalPending(EngineStateConflict):
+    """409: the snapshot is pending (or was denied or revoked) on a server that enforces
+    approvals; an approver decides with their own token, never this client."""
+
+    @property
+    def snapshot_id(self) -> str:
+        return str(self.detail.get("snapshot_id", "")) if isinstance(self.detail, dict) else ""
+
+    @property
+    def approval_state(self) -> str:
+        return str(self.detail.get("approval_state", "")) if isinstance(self.detail, dict) \
+            else ""
+
+
 class PayloadTooLarge(SwarmHTTPError):
     """413: an upload passed one of the server's limits."""
 
@@ -101,4 +118,6 @@ def error_for_status(status: int, detail: Any, hint: str = "", *, method: str = 
                      path: str = "") -> SwarmHTTPError:
     """The most specific `SwarmHTTPError` subclass for an HTTP status."""
     cls = _BY_STATUS.get(status, SwarmHTTPError)
+    if status == 409 and isinstance(detail, dict) and "approval_state" in detail:
+        cls = ApprovalPending
     return cls(status, detail, hint, method=method, path=path)

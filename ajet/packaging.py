@@ -54,6 +54,8 @@ __all__ = [
     "UNTRACKED_LIST_CAP",
     "build_zip",
     "canonical_manifest",
+    "file_kind_problem",
+    "is_extension_module",
     "member_path_problem",
     "package_tree",
     "snapshot_id_of",
@@ -116,6 +118,40 @@ def member_path_problem(path: str) -> str | None:
         return f"path component longer than {_MAX_COMPONENT_BYTES} bytes"
     if len(parts) >= 2 and parts[1] == ".git":
         return ".git is never shipped"
+    return None
+
+
+#: Suffixes of compiled extension modules the interpreter imports (no reviewable source).
+EXTENSION_SUFFIXES = (".so", ".pyd")
+
+
+def is_extension_module(path: str) -> bool:
+    """True for a compiled extension module (`x.so`, `x.cpython-311-x86_64-linux-gnu.so`,
+    `x.pyd`): code that runs on import and that no reviewer can read."""
+    return path.rsplit("/", 1)[-1].endswith(EXTENSION_SUFFIXES)
+
+
+def file_kind_problem(path: str, *, allow_extension_modules: bool = False) -> str | None:
+    """Why a file of this kind may not be synced, or None if it may.
+
+    Files the interpreter would run without reviewable source are never synced: bytecode
+    (`.pyc`, `.pyo`), anything under `__pycache__/` (a sourceless `__init__.pyc` is
+    imported in place of the `.py` beside it), and `.pth` files (executed by `site`).
+    Extension modules are refused unless the server allows them
+    (`AJET_SWARM_ALLOW_EXTENSION_MODULES`). The server applies the same rule to every
+    manifest and zip; packaging applies it first, so nothing is uploaded.
+    """
+    parts = path.split("/")
+    name = parts[-1]
+    if "__pycache__" in parts[:-1] or name == "__pycache__":
+        return "under __pycache__/: bytecode runs without reviewable source"
+    if name.endswith((".pyc", ".pyo")):
+        return "Python bytecode runs without reviewable source; sync the .py file"
+    if name.endswith(".pth"):
+        return ".pth files run code at interpreter start-up"
+    if is_extension_module(path) and not allow_extension_modules:
+        return ("compiled extension module (no reviewable source); the server refuses it "
+                "unless AJET_SWARM_ALLOW_EXTENSION_MODULES=1")
     return None
 
 
@@ -279,10 +315,13 @@ def package_tree(
     deleted: list[str] = []
     total = 0
     for rel, index_mode in tracked:
-        bad = member_path_problem(rel)
+        bad = member_path_problem(rel) or file_kind_problem(rel, allow_extension_modules=True)
         if bad:
             problems.append(f"{rel}: {bad}")
             continue
+        if is_extension_module(rel):
+            log.warning("%s is a compiled extension module: a reviewer cannot read it, and "
+                        "the server refuses it unless AJET_SWARM_ALLOW_EXTENSION_MODULES=1", rel)
         if index_mode == "120000":
             problems.append(f"{rel}: tracked symlink (only regular files are synced)")
             continue
@@ -435,7 +474,10 @@ def _provenance(repo: Any, cmd: Any, git_mod: Any, untracked: list[str], diff_ca
     diff = ""
     dirty = head is None
     if head is not None:
-        diff = _git(cmd, git_mod, "diff", "HEAD", "--no-color", "--no-ext-diff", "--", "ajet")
+        # --text/--no-textconv: a `.gitattributes` line (`ajet/** -diff`) cannot turn the
+        # claimed diff into "Binary files differ" (it is still only the client's claim)
+        diff = _git(cmd, git_mod, "diff", "HEAD", "--no-color", "--no-ext-diff", "--text",
+                    "--no-textconv", "--", "ajet")
         dirty = bool(diff)
         if len(diff) > diff_cap:
             diff = diff[:diff_cap] + f"\n... diff truncated ({len(diff)} characters in all)\n"

@@ -15,6 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "AbortEpisodeRequest",
     "ActivateRequest",
+    "ApprovalDecisionPublic",
+    "ApprovalDecisionRequest",
+    "ApprovalState",
+    "ApprovalsPage",
+    "PendingSnapshot",
+    "ReviewFile",
+    "ReviewPage",
+    "ServerCodePublic",
+    "SnapshotApproval",
     "AuditEntry",
     "AuditPage",
     "BeginEpisodeRequest",
@@ -72,6 +81,24 @@ class EngineState(str, enum.Enum):
         return self.value
 
 
+class ApprovalState(str, enum.Enum):
+    """Where a snapshot stands with the server's approvers (DESIGN.md point 8)."""
+
+    #: The server has no approver tokens: nothing is enforced (laptop-side approval only).
+    NOT_ENFORCED = "not_enforced"
+    #: Stored, not yet approved: the engine cannot start on it and it cannot be activated.
+    PENDING = "pending"
+    #: An approver approved exactly this content (bound to the snapshot id; never expires).
+    APPROVED = "approved"
+    #: An approver refused it: it never runs (any edit makes a new, pending snapshot).
+    DENIED = "denied"
+    #: Approved, then revoked: it never runs again.
+    REVOKED = "revoked"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -94,6 +121,8 @@ class VersionResponse(BaseModel):
     version: str
     api: int = 1
     ajet_file: str = Field(description="The server's own installed ajet package path")
+    approvals_enforced: bool = Field(
+        default=False, description="Approver tokens are configured: unapproved code never runs")
 
 
 class LastError(BaseModel):
@@ -118,6 +147,10 @@ class EngineStatus(BaseModel):
     experiment_name: str | None = None
     last_error: LastError | None = None
     since: float = Field(description="Unix time the current state was entered")
+    approvals_enforced: bool = False
+    snapshot_approval: ApprovalState = Field(
+        default=ApprovalState.NOT_ENFORCED,
+        description="Approval of the active code (the server's own code counts as approved)")
 
 
 class SyncConfigRequest(_Model):
@@ -172,6 +205,15 @@ class ManifestRequest(_Model):
     provenance: Provenance = Field(default_factory=Provenance)
 
 
+class SnapshotApproval(BaseModel):
+    """The server's approval record of one snapshot (never the client's claim)."""
+
+    state: ApprovalState
+    approver: str | None = Field(default=None, description="Name of the approver who decided")
+    at: float | None = None
+    note: str = ""
+
+
 class ManifestResponse(BaseModel):
     snapshot_id: str
     missing: list[str] = Field(description="sha256 of blobs the server lacks; upload them")
@@ -180,6 +222,8 @@ class ManifestResponse(BaseModel):
                          description="That snapshot is already the active code: no commit needed")
     path: str | None = Field(default=None, description="Its ajet/ folder, relative to workdir")
     state: EngineState | None = Field(default=None, description="The engine state right now")
+    approval: SnapshotApproval | None = Field(
+        default=None, description="The existing snapshot's approval (absent for new content)")
 
 
 class BlobsUploaded(BaseModel):
@@ -195,7 +239,13 @@ class CommitRequest(_Model):
     files: list[FileEntry] = Field(max_length=100_000)
     provenance: Provenance = Field(default_factory=Provenance)
     force_restart: bool = False
-    approved_by: str | None = Field(default=None, max_length=200)
+    approved_by: str | None = Field(
+        default=None, max_length=200,
+        description="The client's claim of who approved (laptop-side); recorded, never trusted")
+    activate: bool = Field(
+        default=True, description="false: store the snapshot only (e.g. for review); true: "
+                                  "also activate it, which an enforcing server refuses (409) "
+                                  "until an approver approved it")
 
 
 class SnapshotPublic(BaseModel):
@@ -206,7 +256,10 @@ class SnapshotPublic(BaseModel):
     total_bytes: int
     active: bool = False
     provenance: Provenance = Field(default_factory=Provenance)
-    approved_by: str | None = None
+    approved_by: str | None = Field(
+        default=None, description="Who the client claimed approved it (laptop-side approval); "
+                                  "not verified. The server's own record is `approval`")
+    approval: SnapshotApproval | None = None
     files: list[FileEntry] | None = Field(
         default=None, description="The manifest; in GET /code and GET /code/snapshots/{id} only"
     )
@@ -231,6 +284,7 @@ class CodeSyncResult(BaseModel):
     bytes_uploaded: int = 0
     untracked_left_out: list[str] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
+    approval: SnapshotApproval | None = None
 
 
 class ActivateRequest(_Model):
@@ -242,6 +296,82 @@ class GCResult(BaseModel):
     removed_snapshots: list[str]
     removed_blobs: int
     kept: list[str]
+
+
+class ServerCodePublic(BaseModel):
+    """The server's own installed `ajet/` (snapshot id `server`): what a first sync replaces."""
+
+    ajet_dir: str
+    files: list[FileEntry]
+
+
+# ---------------------------------------------------------------------------- approvals
+
+
+class PendingSnapshot(BaseModel):
+    snapshot_id: str
+    created: float
+    file_count: int
+    total_bytes: int
+    approval: SnapshotApproval
+    claimed_head: str | None = Field(default=None, description="git HEAD the client claimed")
+    claimed_branch: str | None = None
+    claimed_host: str | None = None
+
+
+class ApprovalDecisionPublic(BaseModel):
+    snapshot_id: str
+    decision: Literal["approved", "denied", "revoked"]
+    approver: str
+    at: float
+    note: str = ""
+    base_id: str | None = Field(default=None, description="What the reviewed diff compared with")
+
+
+class ApprovalsPage(BaseModel):
+    enforced: bool
+    pending: list[PendingSnapshot]
+    recent: list[ApprovalDecisionPublic] = Field(default_factory=list)
+
+
+class ReviewFile(BaseModel):
+    path: str = Field(description="Escaped: control characters shown as \\xNN")
+    kind: Literal["added", "changed", "removed", "renamed"]
+    old_path: str | None = None
+    old_mode: int | None = None
+    new_mode: int | None = None
+    size: int
+    shown: Literal["text", "whole", "binary"]
+    flags: list[str] = Field(default_factory=list)
+    first_line: int = Field(description="Offset of this file's first diff line")
+    added: int = 0
+    removed: int = 0
+
+
+class ReviewPage(BaseModel):
+    """A snapshot's review, computed by the server from its own stored files."""
+
+    snapshot_id: str
+    approval: SnapshotApproval
+    base_id: str = Field(description="What the diff compares with: the active approved snapshot, "
+                                     "or 'server' (the server's own ajet/)")
+    base_reason: str
+    summary: str
+    files: list[ReviewFile]
+    flagged: list[str] = Field(description="Paths of files with flags: look at these")
+    claimed: Provenance = Field(description="What the CLIENT claimed (git HEAD, branch, dirty "
+                                            "diff): a claim, not verified; escaped")
+    diff: str = Field(description="One page of the escaped diff text")
+    offset: int
+    next_offset: int | None = Field(default=None, description="Pass as offset for the next page")
+    total_lines: int
+    history: list[ApprovalDecisionPublic] = Field(default_factory=list)
+
+
+class ApprovalDecisionRequest(_Model):
+    snapshot_id: str = Field(pattern=r"^[0-9a-f]{64}$",
+                             description="The full snapshot id, confirming what is decided")
+    note: str = Field(default="", max_length=2000, description="Why (kept in the ledger)")
 
 
 # ---------------------------------------------------------------------------- runs

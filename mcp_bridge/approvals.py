@@ -1,4 +1,8 @@
-"""Human approval of code syncs: decisions bound to one snapshot id and one server URL.
+"""Laptop-side approval of code syncs: decisions bound to one snapshot id and one server URL.
+
+This is for a server without approver tokens, and stops only an agent without shell or
+file tools: the files below are plain JSON the agent's user can write. Against a server
+that enforces approvals the bridge never consults them (docs/security.md).
 
 The model never approves. A sync either asks the human through MCP elicitation, or
 files a *pending approval* here, a JSON file in a local folder that only the human's
@@ -44,8 +48,10 @@ log = logging.getLogger(__name__)
 APPROVALS_DIR_ENV = "AJET_MCP_APPROVALS_DIR"
 #: How long a pending request, and then a granted approval, stays valid.
 DEFAULT_TTL_S = 30 * 60.0
-#: The full diff kept for `approvals show`; a human reads it, the model never does.
-MAX_STORED_DIFF_CHARS = 1_000_000
+#: The full diff kept for `approvals show`; a human reads it, the model never does. A
+#: longer one is kept cut, says so, and cannot be approved here (`Approval.diff_cut`).
+MAX_STORED_DIFF_CHARS = 8_000_000
+DIFF_CUT_NOTE = "\n... the diff was cut here: it is too long to approve on the laptop\n"
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: read aloud, typed by hand
 
 
@@ -88,6 +94,11 @@ class Approval:
 
     def expired(self, now: float) -> bool:
         return now >= self.expires_at
+
+    @property
+    def diff_cut(self) -> bool:
+        """The stored diff is not whole: a human cannot have read all of it."""
+        return self.diff.endswith(DIFF_CUT_NOTE)
 
     def valid_for(self, snapshot_id: str, server_url: str, now: float) -> bool:
         """True if this is a live approval of exactly this content on exactly this server."""
@@ -158,7 +169,9 @@ class ApprovalStore:
         approval = Approval(
             id=self._new_id(), snapshot_id=snapshot_id, server_url=server_url, repo=repo,
             created_at=now, expires_at=now + self.ttl_s, summary=summary,
-            diff=diff[:MAX_STORED_DIFF_CHARS], files=files, bytes_to_upload=bytes_to_upload,
+            diff=(diff if len(diff) <= MAX_STORED_DIFF_CHARS
+                  else diff[:MAX_STORED_DIFF_CHARS] + DIFF_CUT_NOTE),
+            files=files, bytes_to_upload=bytes_to_upload,
         )
         self._write(approval)
         log.info("filed approval %s for snapshot %s on %s", approval.id, snapshot_id[:12],
@@ -229,6 +242,10 @@ class ApprovalStore:
     def _decide(self, approval_id: str, status: ApprovalStatus, by: str | None) -> Approval:
         approval = self.get(approval_id)
         now = self._clock()
+        if status is ApprovalStatus.APPROVED and approval.diff_cut:
+            raise ApprovalError(f"approval {approval_id}: its diff is too long to show whole "
+                                "here; ask for a smaller change, or use approver tokens and "
+                                "the server's paged review")
         if approval.status is not ApprovalStatus.PENDING:
             raise ApprovalError(f"approval {approval_id} is already {approval.status}")
         if approval.expired(now):

@@ -24,6 +24,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 
 from ajet.client import SwarmClient
 from ajet.errors import (
+    ApprovalPending,
     EngineStateConflict,
     PackagingError,
     PayloadTooLarge,
@@ -79,9 +80,10 @@ class Bridge:
                                             timeout=config.http_timeout_s)
         self.approvals = approvals or ApprovalStore(config.approvals_dir,
                                                     ttl_s=config.approval_ttl_s)
-        self.rollouts = RolloutManager(
-            config.swarm_url, token=config.worker_token or config.token, repo=config.repo,
-        )
+        # Workflows run in child processes that never get the control token: with a worker
+        # token they claim episodes with it; without one the bridge claims for them.
+        self.rollouts = RolloutManager(config.swarm_url, token=config.token,
+                                       worker_token=config.worker_token, repo=config.repo)
 
     @property
     def repo(self) -> Path:
@@ -120,6 +122,16 @@ def swarm_errors(next_step: str) -> Iterator[None]:
             "start ajet-mcp with AJET_SWARM_TOKEN set to the server's control token "
             f"(ask the human); then call {ToolName.ENGINE_STATUS}",
         ) from exc
+    except ApprovalPending as exc:
+        detail = exc.detail if isinstance(exc.detail, dict) else {}
+        ways = detail.get("approve_with") or {}
+        where = "; ".join(f"{k}: {v}" for k, v in ways.items() if isinstance(v, str))
+        raise tool_error(
+            f"the server refused: {detail.get('message', exc.detail)}. Only a human approver "
+            f"can approve it, on the server ({where or 'ajet-swarm approvals'}, with their own "
+            "approver token); you cannot",
+            f"ask the human to review it there; {next_step} once they approved it (or "
+            f"{ToolName.ACTIVATE_SNAPSHOT} an approved snapshot)") from exc
     except EngineStateConflict as exc:
         raise tool_error(f"engine state conflict: {_detail(exc)}{_hint(exc)}",
                          f"call {ToolName.ENGINE_STATUS}, then {next_step}") from exc

@@ -7,7 +7,10 @@
 The server logs to stderr only: on stdio, stdout is the MCP protocol. The control token
 comes from `AJET_SWARM_TOKEN` (never a flag, so it stays out of process listings and
 client config files). The `approvals` commands are for a human at a terminal and print
-to stdout.
+to stdout. They are laptop-side approvals, for a server without approver tokens: they
+stop only an agent without shell or file tools (docs/security.md). `approve` shows the
+diff and asks to type the snapshot id's first characters on a terminal, and refuses when
+the server enforces approvals (then an approver approves on the server).
 """
 
 from __future__ import annotations
@@ -158,8 +161,17 @@ def _approvals_main(argv: list[str]) -> int:
             _show(store.get(args.id), full=True)
             return 0
         if args.command == "approve":
+            pending = store.get(args.id)
+            if _server_enforces(pending.server_url):
+                _complain(f"approvals: {pending.server_url} enforces approvals on the server; "
+                          "a local approval means nothing there. An approver approves at "
+                          f"{pending.server_url}/ui/snapshots/{pending.snapshot_id} or with "
+                          f"`ajet-swarm approvals approve {pending.snapshot_id[:12]}`")
+                return 1
+            _show(pending, full=True)
+            if not _confirmed(pending):
+                return 1
             approval = store.approve(args.id)
-            _show(approval, full=False)
             _say(f"\nApproved. The agent's next sync_train_code of this exact content on "
                   f"{approval.server_url} proceeds until {_local(approval.expires_at)}.")
             return 0
@@ -203,6 +215,36 @@ def _show(a: Approval, *, full: bool) -> None:
     if full:
         _say()
         _say(a.diff or "(no diff)")
+
+
+def _confirmed(a: Approval) -> bool:
+    """A human at a terminal typed the snapshot id's first 12 characters."""
+    if not sys.stdin.isatty():
+        _complain("approvals: approve asks for confirmation on a terminal; run it there")
+        return False
+    _say()
+    try:
+        typed = input(f"Type the first 12 characters of snapshot {a.snapshot_id[:4]}... to "
+                      "approve exactly the content shown above: ").strip().lower()
+    except EOFError:
+        typed = ""
+    if typed != a.snapshot_id[:12]:
+        _complain("approvals: the snapshot id did not match; nothing was approved")
+        return False
+    return True
+
+
+def _server_enforces(server_url: str) -> bool:
+    """Whether the server says it enforces approvals (`GET /version`); False if unknown."""
+    import httpx
+
+    token = os.environ.get("AJET_SWARM_TOKEN") or os.environ.get("AJET_SWARM_WORKER_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        answer = httpx.get(f"{server_url.rstrip('/')}/version", headers=headers, timeout=5)
+        return bool(answer.status_code == 200 and answer.json().get("approvals_enforced"))
+    except (httpx.HTTPError, ValueError):
+        return False
 
 
 def _say(text: str = "") -> None:

@@ -106,6 +106,12 @@ class ApprovalInfo(BaseModel):
     )
     expires_at: str | None = None
     approved_by: str | None = None
+    enforced_by_server: bool = Field(
+        default=False, description="The server enforces approvals: only a human approver with "
+                                   "their own token can approve, on the server")
+    approve_url: str | None = Field(
+        default=None, description="Web console page where the human approver reviews and "
+                                  "approves this snapshot; show it to the human")
 
 
 class SyncResult(ToolResult):
@@ -118,6 +124,9 @@ class SyncResult(ToolResult):
     added: list[str] = Field(default_factory=list)
     changed: list[str] = Field(default_factory=list)
     removed: list[str] = Field(default_factory=list)
+    renamed: list[str] = Field(default_factory=list)
+    flagged: list[str] = Field(default_factory=list, description="Files the reviewer is warned "
+                                                                 "about, and why")
     lists_truncated: bool = False
     untracked_left_out: list[str] = Field(
         default_factory=list,
@@ -126,7 +135,8 @@ class SyncResult(ToolResult):
     blobs_to_upload: int = 0
     bytes_to_upload: int = 0
     diff: str = Field(default="",
-                      description="Unified diff against the running snapshot (one page)")
+                      description="Diff against the code the cluster runs, from the server's "
+                                  "stored files; control characters escaped (one page)")
     diff_next_offset: int | None = Field(
         default=None, description="Pass as diff_offset to read more of the diff"
     )
@@ -229,7 +239,16 @@ class EngineStatusResult(ToolResult):
     last_error: ErrorInfo | None = None
     rollouts: list[RolloutInfo] = Field(default_factory=list)
     approval_mode: ApprovalMode
-    pending_approvals: list[str] = Field(default_factory=list)
+    approvals_enforced: bool = Field(
+        default=False, description="The server enforces approvals: a human approver approves "
+                                   "each snapshot on the server; you cannot")
+    snapshot_approval: str | None = Field(
+        default=None, description="The server's approval of the active code")
+    pending_approvals: list[str] = Field(
+        default_factory=list, description="Pending approval ids (laptop-side) or snapshot ids "
+                                          "pending on the server")
+    approve_url: str | None = Field(default=None,
+                                    description="Where the human approves, if something waits")
 
 
 # ---------------------------------------------------------------------------- runs

@@ -64,8 +64,13 @@ the git repository {repo}) and the GPU cluster at {url} trains with it. The loop
    run `git add ajet/<file>`; untracked files are left out and listed.
 3. sync_train_code with dry_run=true to preview the files and diff, then
    sync_train_code with force_restart=true (or stop_engine first). A human approves every
-   sync. If the result says pending_approval, show the human the command it gives, wait,
-   then call sync_train_code again. You can never approve a sync yourself.
+   sync. If the result says pending_approval, show the human where to approve (its
+   approval.approve_url or approval.human_command), wait for them, then call
+   sync_train_code again with the same tree. You can never approve a sync yourself: when
+   the server enforces approvals (engine_status.approvals_enforced) only a human approver
+   with their own token can, on the server; nothing you write, run or send counts.
+   While approval is pending: do not edit ajet/ (any edit needs a new approval); you may
+   read_metrics, read_logs, compare_runs or keep training the approved code.
 4. start_engine / start_rollouts as needed, read_metrics for as many steps as the
    baseline had, then compare_runs baseline vs new.
 5. Keep the change or roll back with activate_snapshot (list_snapshots, list_runs).
@@ -74,7 +79,8 @@ Rules: one change per iteration; sync only while the engine is OFFLINE or with
 force_restart=true; stop_rollouts before stop_engine; after a failed start read the
 error, read_logs, fix or roll back; judge by compare_runs, not by one noisy step.
 Outputs are small: page with offsets, plot with read_metrics(plot=true).
-Prompts with longer playbooks: {prompts}. Approval mode: {mode}.
+Prompts with longer playbooks: {prompts}. Approval mode: {mode}. Rollout workflows run
+in a separate process that holds no control or approver token.
 """
 
 _READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, idempotent_hint=True,
@@ -181,11 +187,14 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         """Sync the git-tracked files under ajet/ of the local repository to the cluster.
 
         Only git-tracked files ship (uncommitted edits included); untracked files are
-        listed in untracked_left_out. Every upload needs a human's approval: the human is
-        asked directly when the client supports it; otherwise the result has
-        status='pending_approval' and a command for the human; call this tool again after
-        they approve. Returns the snapshot_id; the engine runs it from its next start (at
-        once with force_restart=true).
+        listed in untracked_left_out. Every sync needs a human's approval, which you cannot
+        give. On a server that enforces approvals the code is uploaded and stored as
+        pending; the result is status='pending_approval' with approval.approve_url (the web
+        console) and approval.human_command for the human approver. Otherwise the human is
+        asked directly when the client supports it, or the result is 'pending_approval'
+        with a command for the human. Call this tool again with the same tree after they
+        approved. Returns the snapshot_id; the engine runs it from its next start (at once
+        with force_restart=true).
         """
         return done(sync.run_sync(bridge, plan, answer, dry_run=dry_run,
                                   force_restart=force_restart, diff_offset=diff_offset))
@@ -308,7 +317,9 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
             description="If the engine runs: stop it, switch, restart with the last config.")
                                  ] = False,
     ) -> ActivateResult:
-        """Roll back (or forward) to code already on the server; no upload, no approval."""
+        """Roll back (or forward) to code already on the server; no upload, no new approval.
+        On a server that enforces approvals only an approved snapshot (or 'server') can be
+        activated; a pending one waits for a human approver."""
         return done(tools.activate_snapshot(bridge, snapshot_id, force_restart=force_restart))
 
     # ------------------------------------------------------------------ rollouts

@@ -99,12 +99,29 @@ def engine_status(bridge: Bridge) -> EngineStatusResult:
     """The engine's state, run, code, last error; this bridge's rollouts and approvals."""
     with swarm_errors(f"call {ToolName.ENGINE_STATUS} again"):
         status = bridge.client.engine_status()
-    pending = [a.id for a in bridge.approvals.all()
-               if a.status.value == "pending" and not a.expired(time.time())
-               and a.server_url.rstrip("/") == bridge.config.swarm_url.rstrip("/")]
+        if status.approvals_enforced:  # the server's record, never the local folder
+            pending = [s.snapshot_id for s in bridge.client.list_snapshots().snapshots
+                       if s.approval is not None and s.approval.state.value == "pending"]
+        else:
+            pending = [a.id for a in bridge.approvals.all()
+                       if a.status.value == "pending" and not a.expired(time.time())
+                       and a.server_url.rstrip("/") == bridge.config.swarm_url.rstrip("/")]
     rollouts = [_rollout_info(h) for h in bridge.rollouts.all() if h.running()]
+    message = _status_message(status)
+    approve_url = None
+    if status.approvals_enforced and status.snapshot_approval.value != "approved":
+        approve_url = f"{bridge.config.swarm_url}/ui/snapshots/{status.snapshot_id}"
+        message += (f" The active snapshot is {status.snapshot_approval.value} on the server: "
+                    f"the engine cannot start on it until a human approver approves it at "
+                    f"{approve_url}; you cannot approve it.")
+    elif status.approvals_enforced and pending:
+        approve_url = f"{bridge.config.swarm_url}/ui/approvals"
+        message += (f" {len(pending)} snapshot(s) wait for a human approver ({approve_url}); "
+                    f"after approval, {ToolName.SYNC_TRAIN_CODE} again activates yours.")
     return EngineStatusResult(
-        message=_status_message(status),
+        approvals_enforced=status.approvals_enforced,
+        snapshot_approval=status.snapshot_approval.value, approve_url=approve_url,
+        message=message,
         engine_state=status.state.value, run_id=status.run_id, step=status.step,
         snapshot_id=status.snapshot_id, snapshot_path=status.snapshot_path,
         experiment_name=status.experiment_name, has_config=status.has_config,
@@ -481,7 +498,8 @@ def _rollout_info(job: RolloutHandle) -> RolloutInfo:
              for k, v in list(raw.items())[:20]}
     return RolloutInfo(handle=job.handle, workflow=job.workflow, running=job.running(),
                        n_workers=job.n_workers, num_repeat=job.num_repeat, tasks=job.tasks,
-                       started=_iso(job.started_at) or "", stats=stats, error=error)
+                       started=_iso(job.started_at) or "", stats=stats,
+                       error=job.error or error)
 
 
 def start_rollouts(bridge: Bridge, workflow: str, *, n_workers: int = 4,

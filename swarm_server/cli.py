@@ -3,8 +3,13 @@
     ajet-swarm start --swarm-port=10086 [--host 127.0.0.1] [--workdir .]
     ajet-swarm status [--swarm-url URL]
     ajet-swarm stop   [--swarm-url URL]      # stops the engine, then the server
+    ajet-swarm approvals list | show REF | approve REF | deny REF | revoke REF
 
 `start` writes `<workdir>/swarm_server.pid` so that `stop` can find the process.
+`approvals` is for headless approvers: it reads one approver token from
+`AJET_SWARM_APPROVER_TOKEN` (the server's own list is `AJET_SWARM_APPROVER_TOKENS`) and
+prints the review the server computed from its own files, every control character
+escaped. A decision asks to type the snapshot id's first characters, or takes `--yes`.
 """
 
 from __future__ import annotations
@@ -35,10 +40,33 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--log-level", default="info")
     for name, text in (("status", "print the engine status"), ("stop", "stop engine and server")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--swarm-url", default=os.environ.get("AJET_SWARM_URL",
-                                                               "http://127.0.0.1:10086"))
+        cmd.add_argument("--swarm-url", default=_default_url())
         cmd.add_argument("--workdir", default=".", help="the server's workdir (for its pid file)")
+    approvals = sub.add_parser(
+        "approvals", help="review and decide pending code snapshots (AJET_SWARM_APPROVER_TOKEN)")
+    approvals.add_argument("--swarm-url", default=_default_url())
+    verbs = approvals.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", help="pending snapshots and recent decisions")
+    show = verbs.add_parser("show", help="a snapshot's review: the server-side diff, escaped")
+    show.add_argument("ref", help="snapshot id or unique prefix")
+    show.add_argument("--offset", type=int, default=0, help="first diff line to print")
+    show.add_argument("--lines", type=int, default=None,
+                      help="print at most this many diff lines (default: all, page by page)")
+    show.add_argument("--base", default=None,
+                      help="compare with 'server' or an approved snapshot instead")
+    for verb, text in (("approve", "approve exactly this content"),
+                       ("deny", "refuse it: it never runs"),
+                       ("revoke", "revoke an approval: it never runs again")):
+        cmd = verbs.add_parser(verb, help=text)
+        cmd.add_argument("ref", help="snapshot id or unique prefix")
+        cmd.add_argument("--note", default="", help="why (kept in the ledger)")
+        cmd.add_argument("--yes", action="store_true",
+                         help="do not ask to type the snapshot id (after reviewing with show)")
     return p
+
+
+def _default_url() -> str:
+    return os.environ.get("AJET_SWARM_URL", "http://127.0.0.1:10086")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return _start(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "approvals":
+        from swarm_server.approval_cli import run_approvals
+
+        return run_approvals(args)
     return _stop(args)
 
 

@@ -12,6 +12,7 @@ from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 
 if TYPE_CHECKING:
+    from swarm_server.approvals import Approvals
     from swarm_server.engine import EngineController
     from swarm_server.episodes import EpisodeGateway
     from swarm_server.snapshots import SnapshotStore
@@ -26,3 +27,4 @@ class ServerContext:
     snapshots: SnapshotStore
     engine: EngineController
     episodes: EpisodeGateway
+    approvals: Approvals

@@ -19,6 +19,9 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
   next one is started once a config is accepted, and once an engine serves or ends.
 - `recover()` at server start stops engines a killed server left behind (by pid and
   start time) and closes their runs.
+- With approvers configured, no engine starts on code an approver has not approved,
+  and no config is validated by it (`swarm_server.approvals`): every start goes through
+  `_start_locked`, which asks first.
 
 Lock order: `_lifecycle` before `_lock`; the ledger's own lock last. The exit and poll
 threads take only `_lock`, so a stop holding `_lifecycle` can wait for them.
@@ -41,6 +44,7 @@ from typing import TypeVar
 import yaml
 
 from ajet.protocol import (
+    SERVER_CODE,
     ConfigAccepted,
     EngineReport,
     EngineState,
@@ -48,10 +52,12 @@ from ajet.protocol import (
     LastError,
     StopEngineResponse,
 )
+from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_files import read_log_lines, read_metrics, summarize
+from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.standby_keeper import StandbyKeeper
@@ -154,10 +160,13 @@ class EngineController:
     """State machine + runs + engine process. See the module docstring for the rules."""
 
     def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
-                 spawner: Spawner | None = None, probe: ProbeFactory | None = None) -> None:
+                 spawner: Spawner | None = None, probe: ProbeFactory | None = None,
+                 approvals: Approvals | None = None) -> None:
         self.settings = settings
         self.ledger = ledger
         self.snapshots = snapshots
+        self.approvals = approvals or Approvals(settings, ledger, snapshots,
+                                                ServerCode(_installed_ajet_dir()))
         self.spawner: Spawner = spawner or PosixSpawner()
         self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
         # The warm standby for the next start (real processes only). Built even with
@@ -209,7 +218,10 @@ class EngineController:
             pid = run.handle.pid if run and run.handle else None
         snapshot = self.snapshots.active()
         yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
+        active_id = snapshot.id if snapshot else SERVER_CODE
         return EngineStatus(
+            approvals_enforced=self.approvals.enforced,
+            snapshot_approval=self.approvals.state(active_id).state,
             state=state,
             run_id=run.run_id if run else None,
             snapshot_id=self.snapshots.active_id(),
@@ -264,6 +276,10 @@ class EngineController:
                         "auto_sync_train_config_and_start_engine(job, force_restart=True)",
                     )
                 snapshot = self.snapshots.active()
+                # the snapshot's own validator runs its code: only approved code may run
+                self.approvals.require_runnable(
+                    snapshot.id if snapshot else SERVER_CODE,
+                    doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
             except ApiError as exc:
@@ -310,6 +326,9 @@ class EngineController:
                         "call stop_engine first, or start_engine(force_restart=True)",
                     )
                 self._require_config()
+                # before stopping anything: a refused start must not end the running run
+                self.approvals.require_runnable(self.snapshots.active_id(),
+                                                doing="start the engine")
                 if state is not EngineState.OFFLINE:
                     previous = self._stop_locked("restarted by start_engine(force_restart=True)")
                     stopped = previous.run_id
@@ -419,6 +438,9 @@ class EngineController:
         """Create the run and spawn its engine. Caller holds `_lifecycle`."""
         yaml_text = self._require_config()
         snapshot = self.snapshots.active()
+        # The one gate every start passes (start, force_restart, restart after a swap).
+        self.approvals.require_runnable(snapshot.id if snapshot else SERVER_CODE,
+                                        doing="start the engine")
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
         run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
@@ -650,6 +672,12 @@ def _describe_exit(code: int | None) -> str:
         return f"was killed by {name} (exit code {code})"
     return f"exited with code {code}"
 
+
+
+def _installed_ajet_dir() -> Path:
+    import ajet  # the server's own installed copy, never a snapshot
+
+    return Path(ajet.__file__).resolve().parent
 
 
 def _relative(path: Path, root: Path) -> str:

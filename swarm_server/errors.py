@@ -6,6 +6,7 @@
     ├── Forbidden           403
     ├── NotFound            404
     ├── EngineStateError    409  (wrong engine state: the hint says what to call)
+    │   └── ApprovalRequired 409 (the snapshot is not approved: `detail` says where)
     ├── PayloadTooLarge     413
     └── Unprocessable       422  (validation: `detail` names the fields)
 
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 __all__ = [
     "ApiError",
+    "ApprovalRequired",
     "BadRequest",
     "EngineStateError",
     "Forbidden",
@@ -67,6 +69,12 @@ class NotFound(ApiError):
 
 class EngineStateError(ApiError):
     status = 409
+
+
+class ApprovalRequired(EngineStateError):
+    """The code is not approved by an approver (pending, denied or revoked): it cannot be
+    activated and the engine cannot start on it. `detail` carries `snapshot_id`,
+    `approval_state` and where to approve."""
 
 
 class PayloadTooLarge(ApiError):

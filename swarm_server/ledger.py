@@ -1,4 +1,5 @@
-"""The runs ledger: an embedded SQLite database of snapshots, runs, settings and audit.
+"""The runs ledger: an embedded SQLite database of snapshots, runs, approvals, settings
+and audit.
 
 Everything an experiment result must be traced to lives here and survives a server
 restart: which snapshot and config a run used, how it ended, and who did what. The
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AuditRecord", "Ledger", "RunRecord", "SnapshotRecord"]
+__all__ = ["ApprovalRecord", "AuditRecord", "Ledger", "RunRecord", "SnapshotRecord"]
 
 _MIGRATIONS: list[str] = [
     # 0 -> 1: initial schema
@@ -62,6 +63,19 @@ _MIGRATIONS: list[str] = [
         detail_json TEXT NOT NULL DEFAULT '{}'
     );
     """,
+    # 1 -> 2: approvers' decisions, append-only; a snapshot's state is its newest row
+    """
+    CREATE TABLE approvals (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        snapshot_id TEXT NOT NULL,
+        decision TEXT NOT NULL,
+        approver TEXT NOT NULL,
+        at REAL NOT NULL,
+        note TEXT NOT NULL DEFAULT '',
+        base_id TEXT
+    );
+    CREATE INDEX approvals_snapshot ON approvals (snapshot_id, id);
+    """,
 ]
 
 #: Run statuses. `booting`/`running` are open; `ended`/`failed` are final.
@@ -99,6 +113,19 @@ class RunRecord:
     summary: dict[str, Any] = field(default_factory=dict)
     pid: int | None = None
     pid_start_time: float | None = None
+
+
+@dataclass
+class ApprovalRecord:
+    """One approver decision: `approved`, `denied` or `revoked`."""
+
+    snapshot_id: str
+    decision: str
+    approver: str
+    at: float
+    note: str = ""
+    base_id: str | None = None
+    id: int | None = None
 
 
 @dataclass
@@ -261,6 +288,42 @@ class Ledger:
                     f"SELECT DISTINCT snapshot_id FROM runs WHERE id IN ({marks})", run_ids
                 ).fetchall()
         return {r[0] for r in rows}
+
+    # ------------------------------------------------------------------ approvals
+
+    def add_approval(self, rec: ApprovalRecord) -> ApprovalRecord:
+        """Append one decision (never updated or deleted); returns it with its id."""
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO approvals (snapshot_id, decision, approver, at, note, base_id) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (rec.snapshot_id, rec.decision, rec.approver, rec.at, rec.note, rec.base_id))
+        return ApprovalRecord(**{**asdict(rec), "id": cur.lastrowid})
+
+    def approvals_of(self, snapshot_id: str) -> list[ApprovalRecord]:
+        """Every decision on one snapshot, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM approvals WHERE snapshot_id = ? ORDER BY id",
+                                    (snapshot_id,)).fetchall()
+        return [ApprovalRecord(**dict(r)) for r in rows]
+
+    def latest_approvals(self, snapshot_ids: list[str] | None = None
+                         ) -> dict[str, ApprovalRecord]:
+        """The newest decision per snapshot (of `snapshot_ids`, or of all)."""
+        query = ("SELECT * FROM approvals WHERE id IN (SELECT MAX(id) FROM approvals "
+                 "GROUP BY snapshot_id)")
+        with self._lock:
+            rows = self._db.execute(query).fetchall()
+        wanted = None if snapshot_ids is None else set(snapshot_ids)
+        return {r["snapshot_id"]: ApprovalRecord(**dict(r)) for r in rows
+                if wanted is None or r["snapshot_id"] in wanted}
+
+    def recent_approvals(self, limit: int = 20) -> list[ApprovalRecord]:
+        """The newest decisions, newest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM approvals ORDER BY id DESC LIMIT ?",
+                                    (limit,)).fetchall()
+        return [ApprovalRecord(**dict(r)) for r in rows]
 
     # ------------------------------------------------------------------ audit
 

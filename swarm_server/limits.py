@@ -10,8 +10,11 @@ happen before FastAPI parses anything:
    answer a malformed body with 422 before the route's auth dependency ran). Every
    path needs a token (reader at least, including `/docs`, `/redoc`, `/openapi.json`
    and unknown paths) except `OPEN_PATHS`: `/health`, and `/v1/chat/completions`,
-   which is authenticated by the signed episode key in its route. A route that depends
-   on `ControlAuth` needs the control token here too. The route's own dependency still
+   which is authenticated by the signed episode key in its route, and the web console
+   under `CONSOLE_PREFIX` (`/ui`), whose pages check their cookie session in one
+   dependency (`deps.ConsoleAuth`; sign-in and the style sheets need none). A route that depends
+   on `ControlAuth`, `ApproverAuth` or `ReviewerAuth` needs that token here too
+   (`deps.ROLE_CHECKS`). The route's own dependency still
    runs: this is a second, earlier gate, and a route that forgot its dependency is
    still closed to anyone without a token.
 3. **Body size** (`max_json_bytes`, 413). Every route except `STREAMED_PATHS` takes a
@@ -32,27 +35,28 @@ from __future__ import annotations
 
 import asyncio
 import re
-import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi.routing import APIRoute
+from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.responses import JSONResponse
 from starlette.routing import BaseRoute, Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import Role, bearer_token, require_control, require_reader
-from swarm_server.deps import ControlAuth
+from swarm_server.auth import bearer_token, require_reader
+from swarm_server.deps import ROLE_CHECKS
 from swarm_server.errors import ApiError, PayloadTooLarge
 from swarm_server.settings import Settings
 
-__all__ = ["LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_PATHS", "LimitsMiddleware",
+__all__ = ["CONSOLE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_PATHS", "LimitsMiddleware",
            "json_too_deep"]
 
 #: Paths that need no bearer token (chat carries a signed episode key instead).
 OPEN_PATHS = frozenset({"/health", "/v1/chat/completions"})
+#: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
+CONSOLE_PREFIX = "/ui"
 #: Upload routes that stream their body to disk under their own caps.
 STREAMED_PATHS = frozenset({"/sync_train_code", "/code/blobs"})
 
@@ -66,7 +70,8 @@ LIMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
     431: {"model": ErrorBody, "description": "Request headers over max_header_bytes"},
 }
 
-_CONTROL_DEPENDENCY = typing.get_args(ControlAuth)[1].dependency
+#: A token check: the settings and the bearer token -> the role, or raises 401/403.
+_Check = Callable[[Settings, "str | None"], str]
 # One JSON string, escapes included (unrolled loop: linear, no backtracking blow-up).
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 # A container holding no container: one nesting level, removed per pass.
@@ -123,10 +128,10 @@ class LimitsMiddleware:
         self.app = app
         self.settings = settings
         self._routes = routes
-        # (method, path) -> needs the control token; the route table never changes, and
-        # a linear scan of every route's regex costs more than the rest of this gate.
-        # Bounded, because paths with ids (`/runs/{id}`) are unbounded in number.
-        self._control_by_path: dict[tuple[str, str], bool] = {}
+        # (method, path) -> the token check its route needs; the route table never
+        # changes, and a linear scan of every route's regex costs more than the rest of
+        # this gate. Bounded, because paths with ids (`/runs/{id}`) are unbounded in number.
+        self._check_by_path: dict[tuple[str, str], _Check] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,7 +183,8 @@ class LimitsMiddleware:
                         {"Connection": "close"})
 
     def _auth_refusal(self, scope: Scope) -> _Refusal | None:
-        if scope["path"] in OPEN_PATHS:
+        path = scope["path"]
+        if path in OPEN_PATHS or path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
             return None
         token = bearer_token(_header(scope, b"authorization"))
         try:
@@ -187,30 +193,32 @@ class LimitsMiddleware:
             return _Refusal(exc.status, str(exc.detail), exc.hint, exc.headers)
         return None
 
-    def _authorize(self, scope: Scope, token: str | None) -> Role:
-        if self._needs_control(scope):
-            return require_control(self.settings, token)
-        return require_reader(self.settings, token)
+    def _authorize(self, scope: Scope, token: str | None) -> str:
+        return self._check(scope)(self.settings, token)
 
-    def _needs_control(self, scope: Scope) -> bool:
+    def _check(self, scope: Scope) -> _Check:
         key = (scope.get("method", ""), scope["path"])
-        known = self._control_by_path.get(key)
+        known = self._check_by_path.get(key)
         if known is None:
-            known = self._route_needs_control(scope)
-            if len(self._control_by_path) >= _PATH_CACHE_SIZE:
-                self._control_by_path.clear()
-            self._control_by_path[key] = known
+            known = self._route_check(scope)
+            if len(self._check_by_path) >= _PATH_CACHE_SIZE:
+                self._check_by_path.clear()
+            self._check_by_path[key] = known
         return known
 
-    def _route_needs_control(self, scope: Scope) -> bool:
-        for route in self._routes:
-            match, _ = route.matches(scope)
-            if match is Match.NONE:
-                continue
-            # FULL, or PARTIAL (wrong method: the route will answer 405 to an authorised caller)
-            return isinstance(route, APIRoute) and any(
-                dep.call is _CONTROL_DEPENDENCY for dep in route.dependant.dependencies)
-        return False
+    def _route_check(self, scope: Scope) -> _Check:
+        # iter_route_contexts flattens included routers (FastAPI keeps them nested), so
+        # each route is matched with its full path and read for its own dependencies. A
+        # FULL match wins; else the first PARTIAL one (wrong method: the route answers 405
+        # to an authorised caller), like the router itself.
+        partial: _Check | None = None
+        for context in iter_route_contexts(self._routes):
+            match, _ = context.matches(scope)
+            if match is Match.FULL:
+                return _check_of(context.original_route)
+            if match is Match.PARTIAL and partial is None:
+                partial = _check_of(context.original_route)
+        return partial or require_reader
 
     async def _read_json_body(self, scope: Scope, receive: Receive) -> bytes:
         limit = self.settings.max_json_bytes
@@ -256,6 +264,16 @@ class LimitsMiddleware:
             return message
 
         return wrapped
+
+
+def _check_of(route: BaseRoute) -> _Check:
+    """The token check of a route's auth dependency (`deps.ROLE_CHECKS`); reader if none."""
+    if isinstance(route, APIRoute):
+        for dep in route.dependant.dependencies:
+            check = ROLE_CHECKS.get(dep.call)  # type: ignore[arg-type]
+            if check is not None:
+                return check
+    return require_reader
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -11,7 +11,12 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from pathlib import Path
+
 from fastapi import FastAPI
+
+import ajet
+from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
@@ -19,7 +24,10 @@ from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
-from swarm_server.routes import code, control, episodes, runs
+from swarm_server.routes import approvals, code, control, episodes, runs
+from swarm_server.server_code import ServerCode
+from swarm_server.ui import SessionStore
+from swarm_server.ui.routes import router as console_router
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 
@@ -32,10 +40,11 @@ def build_context(settings: Settings) -> ServerContext:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     ledger = Ledger(settings.ledger_path)
     snapshots = SnapshotStore(settings, ledger)
-    engine = EngineController(settings, ledger, snapshots)
+    gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
+    engine = EngineController(settings, ledger, snapshots, approvals=gate)
     gateway = EpisodeGateway(settings, engine)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
-                         episodes=gateway)
+                         episodes=gateway, approvals=gate)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -45,8 +54,10 @@ def create_app(settings: Settings) -> FastAPI:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.snapshots.recover()
         ctx.engine.recover()
-        log.info("swarm server ready on %s:%s (workdir %s)", settings.host, settings.port,
-                 settings.workdir)
+        log.info("swarm server ready on %s:%s (workdir %s); approvals %s", settings.host,
+                 settings.port, settings.workdir,
+                 f"enforced ({len(settings.approvers)} approver(s))"
+                 if settings.approvals_enforced else "not enforced (no approver tokens)")
         try:
             yield
         finally:
@@ -62,11 +73,14 @@ def create_app(settings: Settings) -> FastAPI:
         responses=LIMIT_RESPONSES,  # swarm_server.limits may refuse any request
     )
     app.state.ctx = ctx
+    app.state.console_sessions = SessionStore(settings.ui_session_ttl_s)
     install_error_handlers(app)
     app.include_router(control.router)
     app.include_router(code.router)
     app.include_router(runs.router)
     app.include_router(episodes.router)
+    app.include_router(approvals.router)
+    app.include_router(console_router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
     return app

@@ -11,10 +11,10 @@ import re
 import sys
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "is_loopback"]
+__all__ = ["Settings", "is_loopback", "parse_approver_tokens"]
 
 MiB = 1024 * 1024
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -28,6 +28,33 @@ STANDBY_PRELOAD = (
     "transformers.generation.continuous_batching",
     "yaml", "pydantic", "httpx", "fastapi", "uvicorn",
 )
+
+
+_APPROVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+
+
+def parse_approver_tokens(text: str, *, source: str) -> dict[str, str]:
+    """`{name: token}` from `name=token` items separated by commas or new lines.
+
+    Blank items and lines starting with `#` are skipped. A name is what the ledger and the
+    audit log record for every decision, so names are unique and plain.
+    """
+    out: dict[str, str] = {}
+    for item in re.split(r"[,\n]", text):
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        name, sep, token = item.partition("=")
+        name, token = name.strip(), token.strip()
+        if not sep or not token:
+            raise ValueError(f"{source}: {name or item[:20]!r} is not name=token")
+        if not _APPROVER_NAME.fullmatch(name):
+            raise ValueError(f"{source}: approver name {name!r} must be 1-64 letters, digits "
+                             "or _.@- (it is what the audit log records)")
+        if name in out:
+            raise ValueError(f"{source}: approver {name!r} is listed twice")
+        out[name] = token
+    return out
 
 
 def is_loopback(host: str) -> bool:
@@ -52,6 +79,21 @@ class Settings(BaseSettings):
     worker_token: SecretStr | None = Field(
         default=None, description="AJET_SWARM_WORKER_TOKEN: episode plane and read-only routes"
     )
+    approver_tokens: SecretStr | None = Field(
+        default=None,
+        description="AJET_SWARM_APPROVER_TOKENS: `name=token,...`; with any approver, every "
+                    "snapshot needs an approver's approval before it runs (docs/security.md)")
+    approver_tokens_file: Path | None = Field(
+        default=None,
+        description="AJET_SWARM_APPROVER_TOKENS_FILE: a file of `name=token` lines (`#` "
+                    "comments), read at start; adds to AJET_SWARM_APPROVER_TOKENS")
+    ui_session_ttl_s: float = Field(
+        default=8 * 3600.0, gt=0, le=7 * 86_400.0,
+        description="AJET_SWARM_UI_SESSION_TTL_S: how long a web console sign-in lasts")
+    allow_extension_modules: bool = Field(
+        default=False,
+        description="AJET_SWARM_ALLOW_EXTENSION_MODULES: accept compiled extension modules "
+                    "(.so, .pyd) in snapshots; a reviewer cannot read them")
 
     # engine lifecycle
     engine_python: str = Field(default=sys.executable, description="Interpreter for the engine")
@@ -107,6 +149,47 @@ class Settings(BaseSettings):
                 raise ValueError(f"standby_preload: {name!r} must not be preloaded; ajet is "
                                  "imported from the active snapshot at each start")
         return names
+
+    _approvers: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _load_approvers(self) -> Settings:
+        approvers: dict[str, str] = {}
+        if self.approver_tokens is not None:
+            approvers = parse_approver_tokens(self.approver_tokens.get_secret_value(),
+                                              source="AJET_SWARM_APPROVER_TOKENS")
+        if self.approver_tokens_file is not None:
+            try:
+                text = self.approver_tokens_file.read_text("utf-8")
+            except OSError as exc:
+                raise ValueError(f"AJET_SWARM_APPROVER_TOKENS_FILE: cannot read "
+                                 f"{self.approver_tokens_file}: {exc.strerror}") from exc
+            for name, token in parse_approver_tokens(
+                    text, source=str(self.approver_tokens_file)).items():
+                if name in approvers:
+                    raise ValueError(f"approver {name!r} is named in both "
+                                     "AJET_SWARM_APPROVER_TOKENS and the tokens file")
+                approvers[name] = token
+        if approvers and self.token is None:
+            raise ValueError(
+                "approver tokens need a control token: without AJET_SWARM_TOKEN the control "
+                "routes stay open, and anyone could upload and start code; set AJET_SWARM_TOKEN")
+        others = {t.get_secret_value() for t in (self.token, self.worker_token) if t}
+        tokens = list(approvers.values())
+        if len(set(tokens)) != len(tokens) or others & set(tokens):
+            raise ValueError("every approver token must differ from the others and from the "
+                             "control and worker tokens")
+        self._approvers = approvers
+        return self
+
+    @property
+    def approvers(self) -> dict[str, str]:
+        """`{approver name: token}`; empty = approvals are not enforced."""
+        return dict(self._approvers)
+
+    @property
+    def approvals_enforced(self) -> bool:
+        return bool(self._approvers)
 
     @model_validator(mode="after")
     def _refuse_open_public_bind(self) -> Settings:

@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from ajet.packaging import member_path_problem, snapshot_id_of, tree_problems
+from ajet.packaging import file_kind_problem, member_path_problem, snapshot_id_of, tree_problems
 from ajet.protocol import SERVER_CODE, FileEntry, GCResult, Provenance, SnapshotPublic
 from swarm_server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
 from swarm_server.ledger import Ledger, SnapshotRecord
@@ -280,7 +280,8 @@ class SnapshotStore:
             raise PayloadTooLarge(f"{len(files)} files; the limit is {s.max_files}",
                                   "raise AJET_SWARM_MAX_FILES on the server")
         problems = [f"{e.path!r}: {why}" for e in files
-                    if (why := member_path_problem(e.path))]
+                    if (why := member_path_problem(e.path) or file_kind_problem(
+                        e.path, allow_extension_modules=s.allow_extension_modules))]
         problems += [f"{e.path}: mode {e.mode:o} (only 644 and 755)" for e in files
                      if e.mode not in _ALLOWED_MODES]
         if not problems:
@@ -289,7 +290,9 @@ class SnapshotStore:
             shown = "; ".join(problems[:10])
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
             raise BadRequest(f"manifest refused: {shown}{more}",
-                             "only regular files under ajet/ with plain POSIX names")
+                             "only regular files under ajet/ with plain POSIX names, and no "
+                             "file that runs without reviewable source (.pyc, __pycache__/, "
+                             ".pth; .so/.pyd unless the server allows them)")
         for e in files:
             if e.size > s.max_file_bytes:
                 raise PayloadTooLarge(f"{e.path}: {e.size} bytes, over the {s.max_file_bytes}-"

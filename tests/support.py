@@ -28,6 +28,11 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 CONTROL_TOKEN = "test-control-token"
 WORKER_TOKEN = "test-worker-token"
+APPROVER_NAME = "alice"
+APPROVER_TOKEN = "test-approver-token"
+#: Server environment that enforces approvals: control, worker and one approver token.
+ENFORCING_ENV = {"AJET_SWARM_TOKEN": CONTROL_TOKEN, "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN,
+                 "AJET_SWARM_APPROVER_TOKENS": f"{APPROVER_NAME}={APPROVER_TOKEN}"}
 
 
 def free_port() -> int:

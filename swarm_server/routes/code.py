@@ -14,6 +14,13 @@ Activation (commit, zip sync, `POST /code/activate`) goes through
 `force_restart` is set. Uploading, extracting and compiling happen before that, so a
 forced restart keeps the engine down only for stop plus start. Every route needs the
 control token; sync, activate and GC are written to the audit log.
+
+With approvers configured (`swarm_server.approvals`), a snapshot no approver approved is
+stored but never activated: commit and zip sync store it, then answer 409
+(`ApprovalRequired`, `detail.approval_state`, where to approve); `activate: false` on a
+commit stores it for review without asking to activate. The server's own code is listed
+and served (`GET /code/server`, `GET /code/server/blobs/{sha256}`) to the control token and
+approvers, so the other side of a first sync's review is the server's real files.
 """
 
 from __future__ import annotations
@@ -46,11 +53,12 @@ from ajet.protocol import (
     ManifestRequest,
     ManifestResponse,
     Provenance,
+    ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
 )
 from swarm_server.context import ServerContext
-from swarm_server.deps import ControlAuth, Ctx
+from swarm_server.deps import ControlAuth, Ctx, ReviewerAuth
 from swarm_server.errors import (
     ApiError,
     BadRequest,
@@ -82,7 +90,8 @@ _DISK_RECHECK_BYTES = 16 * 1024 * 1024
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "Malformed or forbidden content; `detail` says which",
             401: "Missing or wrong token", 403: "The worker token cannot call this route",
-            404: "Unknown snapshot or blob", 409: "The engine is not OFFLINE; see `hint`",
+            404: "Unknown snapshot or blob",
+            409: "The engine is not OFFLINE, or the snapshot is not approved; see `hint`",
             413: "An upload limit was passed", 422: "Validation failed; `detail` names it",
             507: "The server's disk is too full"}
     return {c: {"model": ErrorBody, "description": text[c]} for c in (401, 403, *codes)}
@@ -150,6 +159,7 @@ def code_manifest(body: ManifestRequest, ctx: Ctx, role: ControlAuth) -> Manifes
         active=rec is not None and store.active_id() == snapshot_id,
         path=rec.path if rec else None,
         state=ctx.engine.state,
+        approval=ctx.approvals.state(snapshot_id) if rec else None,
     )
 
 
@@ -205,13 +215,22 @@ def code_commit(body: CommitRequest, ctx: Ctx, role: ControlAuth) -> CodeSyncRes
                 f"snapshot_id {body.snapshot_id} does not match the manifest ({snapshot_id})",
                 "compute it with ajet.packaging.snapshot_id_of over the same files",
             )
-        if store.active_id() != snapshot_id:
+        # Unapproved content is stored whatever the engine does (an approver reviews the
+        # stored files), then refused activation; approved content needs OFFLINE as ever.
+        if body.activate and store.active_id() != snapshot_id \
+                and ctx.approvals.runnable(snapshot_id):
             _require_offline_or_restart(ctx, body.force_restart)
         with disk_full_is_507():
             rec, reused, timings = store.materialise(entries, body.provenance,
                                                      approved_by=body.approved_by)
-        result = _activate(ctx, rec, force_restart=body.force_restart, role=role,
-                           reused=reused, timings=timings)
+        detail.update(path=rec.path, reused=reused, activate=body.activate)
+        if body.activate:
+            result = _activate(ctx, rec, force_restart=body.force_restart, role=role,
+                               reused=reused, timings=timings)
+        else:
+            result = CodeSyncResult(snapshot_id=rec.id, path=rec.path, reused=reused,
+                                    activated=False, state=ctx.engine.state, timings=timings,
+                                    approval=ctx.approvals.state(rec.id))
         result.untracked_left_out = list(body.provenance.untracked_left_out)
         result.timings["total_s"] = round(time.perf_counter() - started, 4)
         detail.update(path=result.path, reused=reused, restarted=result.restarted,
@@ -228,7 +247,7 @@ def code_commit(body: CommitRequest, ctx: Ctx, role: ControlAuth) -> CodeSyncRes
             summary="The active snapshot with its manifest; null = the server's own code")
 def get_code(ctx: Ctx, role: ControlAuth) -> SnapshotPublic | None:
     rec = ctx.snapshots.active()
-    return ctx.snapshots.public(rec, files=True) if rec else None
+    return _public(ctx, rec, files=True) if rec else None
 
 
 @router.get("/code/snapshots", response_model=SnapshotsPage, responses=_errors(422),
@@ -236,8 +255,10 @@ def get_code(ctx: Ctx, role: ControlAuth) -> SnapshotPublic | None:
 def list_snapshots(ctx: Ctx, role: ControlAuth,
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> SnapshotsPage:
     store = ctx.snapshots
-    return SnapshotsPage(active=store.active_id(),
-                         snapshots=[store.public(r) for r in store.records()[:limit]])
+    records = store.records()[:limit]
+    states = ctx.approvals.states([r.id for r in records])
+    return SnapshotsPage(active=store.active_id(), snapshots=[
+        store.public(r).model_copy(update={"approval": states[r.id]}) for r in records])
 
 
 @router.get("/code/snapshots/{snapshot_ref}", response_model=SnapshotPublic,
@@ -248,8 +269,30 @@ def get_snapshot(snapshot_ref: Annotated[str, PathParam(max_length=64)], ctx: Ct
     rec = ctx.snapshots.resolve(snapshot_ref)
     if rec is None:
         raise NotFound("the server's own code is not a snapshot",
-                       "GET /version shows the server's ajet; GET /code/snapshots lists snapshots")
-    return ctx.snapshots.public(rec, files=True)
+                       "GET /code/server lists the server's own ajet/; GET /code/snapshots "
+                       "lists snapshots")
+    return _public(ctx, rec, files=True)
+
+
+@router.get("/code/server", response_model=ServerCodePublic, responses=_errors(),
+            summary="The server's own ajet/ (snapshot id 'server'): its manifest")
+def get_server_code(ctx: Ctx, role: ReviewerAuth) -> ServerCodePublic:
+    """What runs when no snapshot is active, and what a first sync is compared with.
+    Control token or an approver token."""
+    code = ctx.approvals.server_code
+    return ServerCodePublic(ajet_dir=str(code.ajet_dir), files=code.manifest())
+
+
+@router.get("/code/server/blobs/{sha256}", response_class=FileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}, **_errors(404, 422)},
+            summary="One file of the server's own ajet/, by content hash")
+def get_server_blob(sha256: Annotated[str, PathParam(pattern=_SHA256)], ctx: Ctx,
+                    role: ReviewerAuth) -> FileResponse:
+    path = ctx.approvals.server_code.path_of(sha256)
+    if path is None:
+        raise NotFound(f"no file with sha256 {sha256} in the server's own ajet/",
+                       "GET /code/server lists its files and their sha256")
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.get("/code/blobs/{sha256}", response_class=FileResponse,
@@ -275,6 +318,7 @@ def activate(body: ActivateRequest, ctx: Ctx, role: ControlAuth) -> CodeSyncResu
     with _audited(ctx, "activate", role, detail):
         rec = ctx.snapshots.resolve(body.snapshot_id)
         target = rec.id if rec else SERVER_CODE
+        ctx.approvals.require_runnable(target, doing=f"activate snapshot {target[:12]}")
         if ctx.snapshots.active_id() != target:
             _require_offline_or_restart(ctx, body.force_restart)
         result = _activate(ctx, rec, force_restart=body.force_restart, role=role, reused=True,
@@ -312,7 +356,7 @@ def _sync_zip(ctx: ServerContext, body: Path, staging: Path, *, force_restart: b
     entries = store.validate_manifest(
         [FileEntry(path=m.path, sha256=m.sha256, size=m.size, mode=m.mode) for m in members])
     snapshot_id = snapshot_id_of(entries)
-    if store.active_id() != snapshot_id:
+    if store.active_id() != snapshot_id and ctx.approvals.runnable(snapshot_id):
         _require_offline_or_restart(ctx, force_restart)
     t1 = time.perf_counter()
     unique = {m.sha256: StagedBlob(m.sha256, m.size, m.staged) for m in members}
@@ -338,6 +382,8 @@ def _activate(ctx: ServerContext, rec: SnapshotRecord | None, *, force_restart: 
     """Make `rec` (None = the server's own code) active through the engine's swap_code."""
     store = ctx.snapshots
     target = rec.id if rec else SERVER_CODE
+    # Unapproved code is stored but never made active (a 409 that says where to approve).
+    ctx.approvals.require_runnable(target, doing=f"activate snapshot {target[:12]}")
     restarted, run_id = False, None
     # Lock order: the store, then the engine's lifecycle (the engine never takes the
     # store's lock while holding its own, except through activate() in this thread).
@@ -351,8 +397,13 @@ def _activate(ctx: ServerContext, rec: SnapshotRecord | None, *, force_restart: 
         snapshot_id=target,
         path=rec.path if rec else str(Path(ajet.__file__).resolve().parent),
         reused=reused, activated=True, restarted=restarted, run_id=run_id,
-        state=ctx.engine.state, timings=timings,
+        state=ctx.engine.state, timings=timings, approval=ctx.approvals.state(target),
     )
+
+
+def _public(ctx: ServerContext, rec: SnapshotRecord, *, files: bool) -> SnapshotPublic:
+    return ctx.snapshots.public(rec, files=files).model_copy(
+        update={"approval": ctx.approvals.state(rec.id)})
 
 
 def _require_offline_or_restart(ctx: ServerContext, force_restart: bool) -> None:

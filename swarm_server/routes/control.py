@@ -46,8 +46,10 @@ def health() -> HealthResponse:
 
 @router.get("/version", responses=_READER_ERRORS)
 def version(request: Request, _: ReaderAuth) -> VersionResponse:
-    """Server version, API version and the server's own installed ajet path."""
-    return VersionResponse(version=request.app.version, ajet_file=ajet.__file__ or "")
+    """Server version, API version, the server's own installed ajet path, and whether
+    approvals are enforced (approver tokens configured)."""
+    return VersionResponse(version=request.app.version, ajet_file=ajet.__file__ or "",
+                           approvals_enforced=request.app.state.ctx.settings.approvals_enforced)
 
 
 @router.get("/get_engine_status", responses=_READER_ERRORS)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -113,11 +115,25 @@ class Elicitor:
         return ElicitResult(action=self.action)  # type: ignore[arg-type]
 
 
-def run_approvals_cli(approvals_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    """`ajet-mcp approvals ...` as the human runs it (the installed console script)."""
-    return subprocess.run([str(AJET_MCP), "approvals", "--approvals-dir", str(approvals_dir),
-                           *args], capture_output=True, text=True, timeout=60,
-                          cwd=PROJECT_ROOT)
+def run_approvals_cli(approvals_dir: Path, *args: str, typed: str | None = None
+                      ) -> subprocess.CompletedProcess[str]:
+    """`ajet-mcp approvals ...` as the human runs it (the installed console script).
+
+    With `typed`, stdin is a terminal (a pty) on which that line is typed, as a human
+    confirming an approval does; without it stdin is not a terminal.
+    """
+    cmd = [str(AJET_MCP), "approvals", "--approvals-dir", str(approvals_dir), *args]
+    if typed is None:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              cwd=PROJECT_ROOT, stdin=subprocess.DEVNULL)
+    master, slave = pty.openpty()
+    try:
+        os.write(master, typed.encode() + b"\n")
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                              cwd=PROJECT_ROOT, stdin=slave)
+    finally:
+        os.close(master)
+        os.close(slave)
 
 
 def snapshot_count(bridge: Bridge) -> int:

@@ -42,7 +42,13 @@ def test_approvals_list_show_approve_deny(tmp_path: Path) -> None:
     shown = run_approvals_cli(tmp_path, "show", first)
     assert shown.returncode == 0 and "c" * 64 in shown.stdout and "+x = 1" in shown.stdout
 
-    assert run_approvals_cli(tmp_path, "approve", first).returncode == 0
+    not_a_terminal = run_approvals_cli(tmp_path, "approve", first)
+    assert not_a_terminal.returncode == 1 and "terminal" in not_a_terminal.stderr
+    mistyped = run_approvals_cli(tmp_path, "approve", first, typed="c" * 11 + "x")
+    assert mistyped.returncode == 1 and store.get(first).status.value == "pending"
+    confirmed = run_approvals_cli(tmp_path, "approve", first, typed="c" * 12)
+    assert confirmed.returncode == 0, confirmed.stderr
+    assert "+x = 1" in confirmed.stdout  # the diff is shown before the question
     assert run_approvals_cli(tmp_path, "deny", second).returncode == 0
     assert store.get(first).status.value == "approved"
     assert store.get(second).status.value == "denied"
@@ -50,7 +56,7 @@ def test_approvals_list_show_approve_deny(tmp_path: Path) -> None:
     everything = run_approvals_cli(tmp_path, "list", "--all").stdout
     assert "approved" in everything and "denied" in everything
 
-    again = run_approvals_cli(tmp_path, "approve", second)
+    again = run_approvals_cli(tmp_path, "approve", second, typed="d" * 12)
     assert again.returncode == 1 and "already denied" in again.stderr
     unknown = run_approvals_cli(tmp_path, "approve", "zzzzzzzz")
     assert unknown.returncode == 1 and "ajet-mcp approvals list" in unknown.stderr

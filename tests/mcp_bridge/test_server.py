@@ -91,9 +91,9 @@ async def test_sync_asks_the_human_and_uploads_only_after_accept(
         preview = structured(await _sync(client, dry_run=True))
         assert preview["status"] == "preview" and human.messages == []
         assert snapshot_count(bridge) == 0  # a preview uploads nothing
-        # the cluster runs its own code: every file is added (the list shows the first 25,
-        # sorted), the diff shows the local edit
-        assert "ajet/__init__.py" in preview["added"] and preview["lists_truncated"]
+        # the cluster runs its own code: the diff is against the server's own files (never
+        # git HEAD), so it shows exactly the edited file
+        assert preview["changed"] == [REWARD_FILE] and preview["added"] == []
         assert preview["running_snapshot_id"] == "server"
         assert "+# experiment: double the reward" in preview["diff"]
 
@@ -174,7 +174,10 @@ async def test_without_elicitation_a_pending_approval_gates_the_sync(
         assert listed.returncode == 0 and approval_id in listed.stdout
         shown = run_approvals_cli(approvals_dir, "show", approval_id)
         assert "# experiment: v1" in shown.stdout and first["snapshot_id"] in shown.stdout
-        approved = run_approvals_cli(approvals_dir, "approve", approval_id)
+        refused = run_approvals_cli(approvals_dir, "approve", approval_id)  # not a terminal
+        assert refused.returncode == 1 and "terminal" in refused.stderr
+        approved = run_approvals_cli(approvals_dir, "approve", approval_id,
+                                     typed=first["snapshot_id"][:12])
         assert approved.returncode == 0, approved.stderr
         assert "Approved" in approved.stdout
 

@@ -54,7 +54,8 @@ async def test_stdio_pending_approval_then_human_approves(
         pending = structured(await client.call_tool("sync_train_code", {}))
         assert pending["status"] == "pending_approval"
         approval_id = pending["approval"]["approval_id"]
-        assert run_approvals_cli(approvals_dir, "approve", approval_id).returncode == 0
+        assert run_approvals_cli(approvals_dir, "approve", approval_id,
+                                 typed=pending["snapshot_id"][:12]).returncode == 0
 
         result = await client.call_tool("sync_train_code", {})
         assert_small(result)

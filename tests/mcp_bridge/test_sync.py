@@ -24,7 +24,7 @@ URL = "http://127.0.0.1:10086"
 
 def _plan(repo: Path, *, state: EngineState = EngineState.OFFLINE, running: str = "server",
           url: str = URL) -> SyncPlan:
-    return SyncPlan(package=package_tree(repo), running_snapshot_id=running, running_known=False,
+    return SyncPlan(package=package_tree(repo), running_snapshot_id=running,
                     changes=[], missing=[], bytes_to_upload=0, engine_state=state,
                     server_url=url, diff="+x = 1\n")
 

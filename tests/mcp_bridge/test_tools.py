@@ -147,8 +147,12 @@ def test_snapshots_and_rollback(bridge: Bridge, repo: Path) -> None:
     assert "start_engine" in back.message
     server = tools.activate_snapshot(bridge, "server")
     assert server.snapshot_id == "server"
+    # after a rollback to the server's own code, the diff is against its real files
+    # (GET /code/server), not against git HEAD: the one edited file, nothing else
     plan = sync.plan_sync(bridge)
-    assert not plan.running_known and plan.running_snapshot_id == "server"
+    assert plan.running_snapshot_id == "server" and plan.base_id == "server"
+    assert plan.change_lists()["changed"] == ["ajet/engine/rewards.py"]
+    assert not plan.change_lists()["added"] and "+# v2" in plan.diff
 
 
 @pytest.mark.anyio

@@ -13,12 +13,21 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support import (
+    APPROVER_TOKEN,
+    CONTROL_TOKEN,
+    ENFORCING_ENV,
+    WORKER_TOKEN,
+    ServerHandle,
+    start_server,
+)
 
 OPEN = "open"  # no token
 EPISODE_KEY = "episode key"  # the signed key from begin_episode, never a bearer token
 READER = "reader"  # worker or control token
 CONTROL = "control"  # control token only
+APPROVER = "approver"  # an approver token only (the control token cannot approve)
+REVIEWER = "reviewer"  # control or approver token: the server's own code, to review
 
 ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/health"): OPEN,
@@ -47,6 +56,13 @@ ACCESS: dict[tuple[str, str], str] = {
     ("POST", "/code/activate"): CONTROL,
     ("POST", "/code/gc"): CONTROL,
     ("GET", "/audit"): CONTROL,
+    ("GET", "/code/server"): REVIEWER,
+    ("GET", "/code/server/blobs/{sha256}"): REVIEWER,
+    ("GET", "/approvals"): APPROVER,
+    ("GET", "/approvals/{snapshot_ref}"): APPROVER,
+    ("POST", "/approvals/{snapshot_ref}/approve"): APPROVER,
+    ("POST", "/approvals/{snapshot_ref}/deny"): APPROVER,
+    ("POST", "/approvals/{snapshot_ref}/revoke"): APPROVER,
 }
 #: Served outside the schema; a reader token opens them.
 DOC_ROUTES = [("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"),
@@ -64,9 +80,7 @@ def bearer(token: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("walk") / "swarm",
-                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
-                               "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
+    handle = start_server(tmp_path_factory.mktemp("walk") / "swarm", env=ENFORCING_ENV)
     yield handle
     handle.stop()
 
@@ -100,7 +114,17 @@ def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHa
                 assert r.json()["hint"] and r.headers["www-authenticate"] == "Bearer"
             worker = http.request(method, url, headers=bearer(WORKER_TOKEN), content=body)
             control = http.request(method, url, headers=bearer(CONTROL_TOKEN), content=body)
-            if access == CONTROL:
+            approver = http.request(method, url, headers=bearer(APPROVER_TOKEN), content=body)
+            if access in (APPROVER, REVIEWER):
+                assert approver.status_code not in (401, 403), (method, path, approver.text)
+                assert approver.status_code < 500, (method, path, approver.text)
+            elif access != OPEN:  # an approver token opens nothing else
+                assert approver.status_code in (401, 403), (method, path, approver.text)
+            if access == APPROVER:
+                assert worker.status_code == control.status_code == 403, (path, control.text)
+                assert "cannot approve" in control.json()["detail"]
+                continue
+            if access in (CONTROL, REVIEWER):
                 assert worker.status_code == 403, (method, path, worker.text)
                 assert "control token" in worker.json()["detail"]
             if access == EPISODE_KEY:  # a bearer token is not an episode key

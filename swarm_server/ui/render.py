@@ -1,0 +1,112 @@
+"""HTML pieces the console's templates cannot make themselves: highlighted, escaped diff
+lines, and reward curves as inline SVG (no script library; the page runs no JavaScript).
+
+Diff lines come from `ajet.code_review` with their raw text. Pygments highlights a line and
+HTML-escapes it; then every character `escape_text` would escape (control characters,
+escape sequences, bidi overrides, zero-width and unusual spaces) is replaced by a marked
+`<span class="ctl">\\x1b</span>`. That is safe after escaping: such characters never occur
+in the markup Pygments writes, only in the text.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+from html import escape
+
+from markupsafe import Markup
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexer import Lexer
+from pygments.lexers import TextLexer, get_lexer_for_filename
+from pygments.util import ClassNotFound
+
+from ajet.code_review import DiffLine, escape_char, is_unsafe
+
+__all__ = ["PYGMENTS_CSS", "diff_line_html", "svg_chart"]
+
+#: CSS for Pygments' classes under `.hl`, generated from the installed package.
+PYGMENTS_CSS = HtmlFormatter(style="default").get_style_defs(".hl")
+_FORMATTER = HtmlFormatter(nowrap=True)
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b",
+            "#e377c2")
+
+
+@lru_cache(maxsize=64)
+def _lexer(path: str) -> Lexer:
+    try:
+        return get_lexer_for_filename(path, stripnl=False, ensurenl=False)
+    except ClassNotFound:
+        return TextLexer(stripnl=False, ensurenl=False)
+
+
+def _mark_controls(html_text: str) -> str:
+    if not any(is_unsafe(ch) for ch in html_text):
+        return html_text
+    return "".join(
+        f'<span class="ctl" title="control character U+{ord(ch):04X}">{escape_char(ch)}</span>'
+        if is_unsafe(ch) else ch for ch in html_text)
+
+
+def diff_line_html(line: DiffLine, path: str) -> Markup:
+    """One diff line as safe HTML: highlighted code, control characters marked."""
+    if line.kind in ("add", "del", "ctx"):
+        # lines never hold "\n" (code_review splits on it); the formatter ends with one
+        body = highlight(line.text, _lexer(path), _FORMATTER).removesuffix("\n") \
+            if line.text else ""
+    else:
+        body = escape(line.text)
+    return Markup(_mark_controls(body))
+
+
+def svg_chart(series: dict[str, Sequence[tuple[float, float]]], *, metric: str,
+              width: int = 760, height: int = 280) -> Markup:
+    """Curves of `metric` per run (run id -> [(step, value)]), overlaid, with a legend."""
+    points = [p for pts in series.values() for p in pts
+              if math.isfinite(p[0]) and math.isfinite(p[1])]
+    if not points:
+        return Markup(f'<p class="muted">No values of {escape(metric)} yet.</p>')
+    left, right, top, bottom = 56, 16, 14, 34
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0) * (width - left - right)
+
+    def sy(y: float) -> float:
+        return top + (1 - (y - y0) / (y1 - y0)) * (height - top - bottom)
+
+    parts = [f'<svg class="chart" role="img" viewBox="0 0 {width} {height}" width="{width}" '
+             f'height="{height}" xmlns="http://www.w3.org/2000/svg">',
+             f'<title>{escape(metric)} per step</title>',
+             f'<rect x="{left}" y="{top}" width="{width - left - right}" '
+             f'height="{height - top - bottom}" fill="#fff" stroke="#ccc"/>']
+    for i in range(5):
+        y = y0 + (y1 - y0) * i / 4
+        parts.append(f'<text x="{left - 6}" y="{sy(y) + 4:.1f}" text-anchor="end" '
+                     f'font-size="11">{y:.3g}</text>')
+    for x in (x0, x1):
+        parts.append(f'<text x="{sx(x):.1f}" y="{height - 16}" text-anchor="middle" '
+                     f'font-size="11">{x:g}</text>')
+    parts.append(f'<text x="{(width + left) / 2:.0f}" y="{height - 3}" text-anchor="middle" '
+                 f'font-size="11">step</text>')
+    for i, (run_id, pts) in enumerate(series.items()):
+        colour = _COLOURS[i % len(_COLOURS)]
+        good = [(x, y) for x, y in pts if math.isfinite(x) and math.isfinite(y)]
+        coords = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in good)
+        parts.append(f'<polyline class="curve" data-run="{escape(run_id)}" fill="none" '
+                     f'stroke="{colour}" stroke-width="2" points="{coords}"/>')
+        parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>'
+                  for x, y in good]
+        ly = top + 14 + 16 * i
+        parts.append(f'<rect x="{left + 10}" y="{ly - 9}" width="12" height="3" '
+                     f'fill="{colour}"/><text x="{left + 28}" y="{ly - 5}" font-size="11">'
+                     f'{escape(run_id)}</text>')
+    parts.append("</svg>")
+    return Markup("".join(parts))

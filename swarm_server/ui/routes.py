@@ -1,0 +1,277 @@
+"""The console's pages: server-rendered from the same ledger and snapshot store as the API.
+
+    GET  /ui/login, POST /ui/login (form: token), POST /ui/logout
+    GET  /ui/approvals                  pending snapshots, recent decisions
+    GET  /ui/snapshots                  every snapshot: approval state, the runs that used it
+    GET  /ui/snapshots/{ref}?offset=    the review (the server-side diff, highlighted and
+                                        escaped, paged), flags, the claimed provenance, and
+                                        Approve / Deny / Revoke for an approver
+    POST /ui/snapshots/{ref}/decide     form: csrf, action, confirm (the id's first 12
+                                        characters), note; an approver session only
+    GET  /ui/runs?run=&metric=          runs (state, snapshot, config changes from the previous
+                                        run, start/end, exit reason), curves per run, log tail
+
+Every page needs a session (`deps.ConsoleAuth`); tokens travel only in the sign-in form's
+body. Decisions go through `routes.approvals.decide`, like the API, so they show at once
+in the API, the CLI and the bridge's next answer. Pages run no JavaScript.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import resources
+from typing import Annotated, Any, Literal
+
+import yaml
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from jinja2 import Environment, PackageLoader, select_autoescape
+
+from ajet.code_review import escape_text
+from ajet.protocol import SERVER_CODE
+from swarm_server.auth import approver_of, bearer_token, role_of
+from swarm_server.context import ServerContext
+from swarm_server.deps import ConsoleAuth, Ctx
+from swarm_server.errors import ApiError, NotFound
+from swarm_server.ledger import RunRecord, SnapshotRecord
+from swarm_server.routes.approvals import decide
+from swarm_server.run_files import read_log_lines, read_metrics
+from swarm_server.ui.render import PYGMENTS_CSS, diff_line_html, svg_chart
+from swarm_server.ui.sessions import COOKIE, ConsoleSession
+
+__all__ = ["router"]
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/ui", include_in_schema=False)
+
+_env = Environment(loader=PackageLoader("swarm_server.ui", "templates"),
+                   autoescape=select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+_env.filters["esc"] = escape_text
+_env.filters["datetime"] = lambda ts: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+_PAGE_LINES = 400
+_CONFIRM_CHARS = 12
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff",
+}
+_METRICS = ("reward_mean", "success_rate", "loss", "response_length", "kl", "entropy")
+
+
+def _page(name: str, request: Request, ctx: ServerContext, session: ConsoleSession | None,
+          status_code: int = 200, **values: Any) -> HTMLResponse:
+    html = _env.get_template(name).render(
+        session=session, enforced=ctx.approvals.enforced,
+        approvers=len(ctx.settings.approvers), **values)
+    return HTMLResponse(html, status_code=status_code, headers=_SECURITY_HEADERS)
+
+
+def _redirect(to: str) -> RedirectResponse:
+    return RedirectResponse(to, status_code=303, headers=_SECURITY_HEADERS)
+
+
+# ---------------------------------------------------------------------------- sign in
+
+
+@router.get("")
+def home() -> Response:
+    return _redirect("/ui/approvals")
+
+
+@router.get("/login")
+def login_page(request: Request, ctx: Ctx) -> Response:
+    return _page("login.html", request, ctx, None, message=None)
+
+
+@router.post("/login")
+def login(request: Request, ctx: Ctx, token: Annotated[str, Form(max_length=4096)] = ""
+          ) -> Response:
+    token = bearer_token(f"Bearer {token}") or ""
+    name = approver_of(ctx.settings, token)
+    role = role_of(ctx.settings, token) if name is None else None
+    store = request.app.state.console_sessions
+    if name is not None:
+        session = store.create("approver", name)
+    elif role in ("control", "open"):
+        session = store.create("control", "control")
+    else:
+        why = ("the worker token cannot sign in" if role == "worker"
+               else "that is no approver token and not the control token")
+        return _page("login.html", request, ctx, None, status_code=401, message=why)
+    ctx.ledger.audit("console_sign_in", f"approver:{name}" if name else "control", "ok", {})
+    response = _redirect("/ui/approvals")
+    response.set_cookie(COOKIE, session.sid, max_age=int(store.ttl_s), path="/ui",
+                        httponly=True, samesite="strict",
+                        secure=request.url.scheme == "https")
+    return response
+
+
+@router.post("/logout")
+def logout(request: Request, session: ConsoleAuth,
+           csrf: Annotated[str | None, Form(max_length=200)] = None) -> Response:
+    _require_csrf(session, csrf)
+    request.app.state.console_sessions.drop(session.sid)
+    response = _redirect("/ui/login")
+    response.delete_cookie(COOKIE, path="/ui")
+    return response
+
+
+# ---------------------------------------------------------------------------- approvals
+
+
+@router.get("/approvals")
+def approvals_page(request: Request, ctx: Ctx, session: ConsoleAuth) -> Response:
+    return _page("approvals.html", request, ctx, session, pending=ctx.approvals.pending(),
+                 recent=ctx.approvals.recent(20))
+
+
+@router.get("/snapshots")
+def snapshots_page(request: Request, ctx: Ctx, session: ConsoleAuth) -> Response:
+    records = ctx.snapshots.records()
+    states = ctx.approvals.states([r.id for r in records])
+    runs, _ = ctx.ledger.list_runs(limit=200)
+    used: dict[str, list[RunRecord]] = {}
+    for run in runs:
+        used.setdefault(run.snapshot_id, []).append(run)
+    rows = [{"rec": r, "approval": states[r.id], "runs": used.get(r.id, []),
+             "active": r.id == ctx.snapshots.active_id()} for r in records]
+    return _page("snapshots.html", request, ctx, session, rows=rows,
+                 server_runs=used.get(SERVER_CODE, []),
+                 server_active=ctx.snapshots.active_id() == SERVER_CODE)
+
+
+@router.get("/snapshots/{snapshot_ref}")
+def snapshot_page(request: Request, ctx: Ctx, session: ConsoleAuth, snapshot_ref: str,
+                  offset: Annotated[int, Query(ge=0, le=100_000_000)] = 0,
+                  message: Annotated[str | None, Query(max_length=200)] = None) -> Response:
+    rec = _resolve(ctx, snapshot_ref)
+    review, base_id, base_reason = ctx.approvals.review(rec)
+    lines, next_offset = review.page(offset, _PAGE_LINES)
+    files = review.files
+    shown = [{"kind": ln.kind, "prefix": ln.prefix, "continued": ln.continued,
+              "html": diff_line_html(ln, files[ln.file].path)} for ln in lines]
+    page = ctx.approvals.review_page(rec, offset=offset, limit=1)
+    return _page(
+        "snapshot.html", request, ctx, session, rec=rec, page=page, review=review,
+        lines=shown, offset=offset, next_offset=next_offset,
+        prev_offset=max(0, offset - _PAGE_LINES) if offset else None,
+        total=len(review.lines), base_id=base_id, base_reason=base_reason,
+        approval=ctx.approvals.state(rec.id), runnable=ctx.approvals.runnable(rec.id),
+        confirm_chars=_CONFIRM_CHARS, message=message)
+
+
+@router.post("/snapshots/{snapshot_ref}/decide")
+def decide_form(
+    request: Request, ctx: Ctx, session: ConsoleAuth, snapshot_ref: str,
+    action: Annotated[Literal["approve", "deny", "revoke"], Form()],
+    csrf: Annotated[str | None, Form(max_length=200)] = None,
+    confirm: Annotated[str, Form(max_length=64)] = "",
+    note: Annotated[str, Form(max_length=2000)] = "",
+) -> Response:
+    _require_csrf(session, csrf)
+    rec = _resolve(ctx, snapshot_ref)
+    if not session.can_approve:
+        return _page("error.html", request, ctx, session, status_code=403,
+                     title="Looking only",
+                     text="This session signed in with the control token: it can look, not "
+                          "approve. Sign in with your approver token to decide.")
+    if confirm.strip().lower() != rec.id[:_CONFIRM_CHARS]:
+        return _redirect(f"/ui/snapshots/{rec.id}?message=confirmation+did+not+match+the+"
+                         "snapshot+id%3B+nothing+was+decided")
+    decision = {"approve": "approved", "deny": "denied", "revoke": "revoked"}[action]
+    try:
+        decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id)
+    except ApiError as exc:
+        detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
+            else exc.detail
+        return _page("error.html", request, ctx, session, status_code=exc.status,
+                     title="Not decided", text=str(detail))
+    return _redirect(f"/ui/snapshots/{rec.id}?message=decision+recorded%3A+{decision}")
+
+
+# ---------------------------------------------------------------------------- runs
+
+
+@router.get("/runs")
+def runs_page(request: Request, ctx: Ctx, session: ConsoleAuth,
+              run: Annotated[list[str] | None, Query(max_length=8)] = None,
+              metric: Annotated[str, Query(max_length=100)] = "reward_mean") -> Response:
+    records, total = ctx.ledger.list_runs(limit=50)
+    by_id = {r.id: r for r in records}
+    chosen = [r for r in (run or []) if r in by_id] or [r.id for r in records[:3]]
+    series: dict[str, list[tuple[float, float]]] = {}
+    names: set[str] = set()
+    for run_id in chosen:
+        points = read_metrics(ctx.engine.run_dir(run_id) / "metrics.jsonl")
+        for p in points:
+            names.update(k for k, v in p.items() if isinstance(v, (int, float)) and k != "step")
+        series[run_id] = [(float(p["step"]), float(p[metric])) for p in points
+                          if isinstance(p.get(metric), (int, float))]
+    rows = []
+    for i, rec in enumerate(records):
+        previous = records[i + 1] if i + 1 < len(records) else None
+        rows.append({"rec": rec, "changes": _config_changes(rec, previous),
+                     "approval": ctx.approvals.state(rec.snapshot_id)})
+    latest = ctx.engine.latest_run_id()
+    tail: list[str] = []
+    if latest:
+        tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40)
+    metrics = sorted(names | set(_METRICS)) if names else list(_METRICS)
+    return _page("runs.html", request, ctx, session, status=ctx.engine.status(), rows=rows,
+                 total=total, chosen=chosen, metric=metric, metrics=metrics,
+                 chart=svg_chart(series, metric=metric), latest=latest,
+                 log_tail=[escape_text(line) for line in tail])
+
+
+# ---------------------------------------------------------------------------- static
+
+
+@router.get("/static/console.css")
+def console_css() -> Response:
+    text = resources.files("swarm_server.ui").joinpath("static/console.css").read_text("utf-8")
+    return Response(text, media_type="text/css", headers={"Cache-Control": "max-age=300"})
+
+
+@router.get("/static/pygments.css")
+def pygments_css() -> Response:
+    return Response(PYGMENTS_CSS, media_type="text/css", headers={"Cache-Control": "max-age=300"})
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _require_csrf(session: ConsoleSession, csrf: str | None) -> None:
+    if not session.csrf_ok(csrf):
+        raise _CsrfRefused("missing or wrong CSRF token: the form was not sent by this "
+                           "console page", "reload the page and submit its form again")
+
+
+class _CsrfRefused(ApiError):
+    status = 403
+
+
+def _resolve(ctx: ServerContext, ref: str) -> SnapshotRecord:
+    rec = ctx.snapshots.resolve(ref)
+    if rec is None:
+        raise NotFound("the server's own code is not a snapshot", "open /ui/snapshots")
+    return rec
+
+
+def _config_changes(rec: RunRecord, previous: RunRecord | None) -> list[str]:
+    if previous is None:
+        return []
+    try:
+        now = yaml.safe_load(rec.config_yaml) or {}
+        before = yaml.safe_load(previous.config_yaml) or {}
+    except yaml.YAMLError:
+        return ["(config unreadable)"]
+    if not isinstance(now, dict) or not isinstance(before, dict):
+        return []
+    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(now) | set(before)) if now.get(k) != before.get(k)][:12]
+
