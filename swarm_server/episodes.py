@@ -5,9 +5,10 @@ the engine serves (docs/internals.md, "Episode plane (server side)"):
 
 - `begin` asks the engine for an episode, signs a key for it (`episode_keys`) and
   records the episode in the gateway's own table (run id, expiry, ended flag);
-- `chat` verifies the key, looks the episode up **by id in that table** (nothing else
-  in the key is trusted), refuses unknown, foreign-run and ended episodes with 401, and
-  forwards the OpenAI body with `X-Episode-UUID`, streaming the answer back unchanged;
+- `openai` (every `/v1/*` route: chat, completions, responses, models) verifies the key,
+  looks the episode up **by id in that table** (nothing else in the key is trusted),
+  refuses unknown, foreign-run and ended episodes with 401, and forwards the request with
+  `X-Episode-UUID`, streaming the answer back unchanged;
 - `end` / `abort` forward and mark the episode ended, so its key stops working.
 
 One `httpx.AsyncClient` over the socket per engine run. Engine errors keep their
@@ -71,8 +72,8 @@ class EngineRelayedError(ApiError):
     """An error the engine answered, passed on with its status, detail and hint."""
 
     def __init__(self, status: int, detail: Any, hint: str = "", *,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(detail, hint, headers=headers)
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(detail, hint, headers=headers, param=param)
         self.status = status
 
 
@@ -136,14 +137,19 @@ class EpisodeGateway:
         entry.ended = True
         return data
 
-    async def chat(self, key: str | None, body: bytes, *, content_type: str | None) -> Response:
-        """Forward an OpenAI chat body for the episode the key names."""
+    def authorize(self, key: str | None) -> str:
+        """The episode a `/v1/*` key names, or 401 (for routes that forward nothing)."""
+        return self._authorize_key(key)
+
+    async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None,
+                     content_type: str | None) -> Response:
+        """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names."""
         episode_uuid = self._authorize_key(key)
         _, client = await self._target("chat")
-        request = client.build_request(
-            "POST", "/v1/chat/completions", content=body,
-            headers={"X-Episode-UUID": episode_uuid,
-                     "Content-Type": content_type or "application/json"})
+        headers = {"X-Episode-UUID": episode_uuid}
+        if body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        request = client.build_request(method, path, content=body, headers=headers)
         try:
             response = await client.send(request, stream=True)
         except httpx.TransportError as exc:
@@ -162,7 +168,9 @@ class EpisodeGateway:
             await response.aclose()
         if response.status_code == 200:
             return Response(content, status_code=200, media_type="application/json")
-        detail, _ = _error_parts(content)
+        detail, _, _ = _error_parts(content)
+        if response.status_code == 404 and path.startswith("/v1/models/"):
+            raise self._relay(404, content, response.headers)  # an unknown model name
         if response.status_code in (404, 409):  # the episode closed in the engine
             self._episodes[episode_uuid].ended = True
             raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",
@@ -247,7 +255,7 @@ class EpisodeGateway:
         return data
 
     def _relay(self, status: int, content: bytes, headers: Mapping[str, str]) -> ApiError:
-        detail, hint = _error_parts(content)
+        detail, hint, param = _error_parts(content)
         if status >= 500:
             log.warning("engine answered %d: %s", status, detail)
             if status == 503:  # engine not ready (no policy yet, shutting down)
@@ -255,7 +263,7 @@ class EpisodeGateway:
             return EngineRelayedError(502, f"engine error: {detail}",
                                       hint or "see the engine log: GET /runs/current/logs")
         extra = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else None
-        return EngineRelayedError(status, detail, hint, headers=extra)
+        return EngineRelayedError(status, detail, hint, headers=extra, param=param)
 
     def _unreachable(self, action: str, exc: Exception) -> EngineStateError:
         return EngineStateError(
@@ -271,11 +279,14 @@ class EpisodeGateway:
         self._episodes = {k: e for k, e in self._episodes.items() if e.expires_at > now}
 
 
-def _error_parts(content: bytes) -> tuple[Any, str]:
+def _error_parts(content: bytes) -> tuple[Any, str, str | None]:
+    """`(detail, hint, param)` of an engine error body."""
     try:
         body = json.loads(content)
     except ValueError:
-        return content.decode("utf-8", "replace")[:500], ""
+        return content.decode("utf-8", "replace")[:500], "", None
     if isinstance(body, dict):
-        return body.get("detail", body), str(body.get("hint", "") or "")
-    return body, ""
+        param = body.get("param")
+        return (body.get("detail", body), str(body.get("hint", "") or ""),
+                param if isinstance(param, str) else None)
+    return body, "", None

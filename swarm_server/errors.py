@@ -12,6 +12,10 @@
 
 Anything else raised in a handler becomes a 500 with a generic body and a logged
 traceback; tests treat any 5xx as a bug.
+
+The OpenAI-compatible routes (`/v1/*`) answer the same errors in OpenAI's shape as well
+(`openai_error_body`): `{"error": {"message", "type", "param", "code"}}`, the hint kept in
+the message, next to `detail` and `hint`.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ __all__ = [
     "Unauthorized",
     "Unprocessable",
     "install_error_handlers",
+    "openai_error_body",
 ]
 
 log = logging.getLogger(__name__)
@@ -43,12 +48,43 @@ log = logging.getLogger(__name__)
 class ApiError(Exception):
     status = 500
 
-    def __init__(self, detail: Any, hint: str = "", *, headers: dict[str, str] | None = None
-                 ) -> None:
+    def __init__(self, detail: Any, hint: str = "", *, headers: dict[str, str] | None = None,
+                 param: str | None = None) -> None:
         super().__init__(str(detail))
         self.detail = detail
         self.hint = hint
         self.headers = headers
+        #: the request field at fault, where one is named (OpenAI's `error.param`)
+        self.param = param
+
+
+#: OpenAI's `error.type` per status.
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                 403: "permission_error", 404: "not_found_error", 408: "timeout_error",
+                 409: "conflict_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 431: "invalid_request_error"}
+
+
+def openai_error_body(status: int, detail: Any, hint: str = "", *, param: str | None = None
+                      ) -> dict[str, Any]:
+    """`{"detail", "hint"}` plus OpenAI's `error` object, for the `/v1/*` routes."""
+    text = detail if isinstance(detail, str) else _detail_text(detail)
+    message = f"{text} (hint: {hint})" if hint else text
+    return {"detail": detail, "hint": hint,
+            "error": {"message": message,
+                      "type": _OPENAI_TYPES.get(status, "api_error" if status >= 500
+                                                else "invalid_request_error"),
+                      "param": param, "code": status}}
+
+
+def _detail_text(detail: Any) -> str:
+    # a validation detail is a list of {"loc", "msg"}: name each field
+    if isinstance(detail, list):
+        parts = [f"{'.'.join(str(p) for p in e.get('loc', []))}: {e.get('msg', '')}"
+                 for e in detail if isinstance(e, dict)]
+        if parts:
+            return "; ".join(parts)
+    return str(detail)
 
 
 class BadRequest(ApiError):

@@ -9,8 +9,9 @@ happen before FastAPI parses anything:
    request with no token gets 401 whatever its body holds (FastAPI would otherwise
    answer a malformed body with 422 before the route's auth dependency ran). Every
    path needs a token (reader at least, including `/docs`, `/redoc`, `/openapi.json`
-   and unknown paths) except `OPEN_PATHS`: `/health`, and `/v1/chat/completions`,
-   which is authenticated by the signed episode key in its route, and the web console
+   and unknown paths) except `OPEN_PATHS`: `/health`; every path under
+   `EPISODE_KEY_PREFIX` (`/v1/`: chat, completions, responses, models), which is
+   authenticated by the signed episode key in its route; and the web console
    under `CONSOLE_PREFIX` (`/ui`), whose pages check their cookie session in one
    dependency (`deps.ConsoleAuth`; sign-in and the style sheets need none). A route that depends
    on `ControlAuth`, `ApproverAuth` or `ReviewerAuth` needs that token here too
@@ -27,8 +28,9 @@ happen before FastAPI parses anything:
    middle of a body gets 408 on JSON routes; on the upload routes the stall reads as a
    disconnect, so the route refuses the upload and removes its temp files.
 
-Refusals are `{"detail", "hint"}` bodies like every other error (`swarm_server.errors`);
-`LIMIT_RESPONSES` documents them on every operation of the OpenAPI schema.
+Refusals are `{"detail", "hint"}` bodies like every other error (`swarm_server.errors`),
+with OpenAI's `error` object as well under `/v1/`; `LIMIT_RESPONSES` documents them on
+every operation of the OpenAPI schema.
 """
 
 from __future__ import annotations
@@ -47,14 +49,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ajet.protocol import ErrorBody
 from swarm_server.auth import bearer_token, require_reader
 from swarm_server.deps import ROLE_CHECKS
-from swarm_server.errors import ApiError, PayloadTooLarge
+from swarm_server.errors import ApiError, PayloadTooLarge, openai_error_body
 from swarm_server.settings import Settings
 
-__all__ = ["CONSOLE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_PATHS", "LimitsMiddleware",
-           "json_too_deep"]
+__all__ = ["CONSOLE_PREFIX", "EPISODE_KEY_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS",
+           "STREAMED_PATHS", "LimitsMiddleware", "json_too_deep"]
 
-#: Paths that need no bearer token (chat carries a signed episode key instead).
-OPEN_PATHS = frozenset({"/health", "/v1/chat/completions"})
+#: Paths that need no bearer token.
+OPEN_PATHS = frozenset({"/health"})
+#: The OpenAI-compatible routes: they carry a signed episode key instead of a token.
+EPISODE_KEY_PREFIX = "/v1/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
 #: Upload routes that stream their body to disk under their own caps.
@@ -104,8 +108,10 @@ class _Refusal:
     headers: dict[str, str] | None = None
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = JSONResponse({"detail": self.detail, "hint": self.hint},
-                                status_code=self.status, headers=self.headers)
+        body: dict[str, Any] = {"detail": self.detail, "hint": self.hint}
+        if scope["path"].startswith(EPISODE_KEY_PREFIX):
+            body = openai_error_body(self.status, self.detail, self.hint)
+        response = JSONResponse(body, status_code=self.status, headers=self.headers)
         await response(scope, receive, send)
 
 
@@ -184,7 +190,8 @@ class LimitsMiddleware:
 
     def _auth_refusal(self, scope: Scope) -> _Refusal | None:
         path = scope["path"]
-        if path in OPEN_PATHS or path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/"):
+        if path in OPEN_PATHS or path.startswith(EPISODE_KEY_PREFIX) or path == CONSOLE_PREFIX \
+                or path.startswith(CONSOLE_PREFIX + "/"):
             return None
         token = bearer_token(_header(scope, b"authorization"))
         try:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from ajet.client import SwarmClient
 
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 
@@ -31,3 +34,36 @@ def secured_server(tmp_path: Path) -> Iterator[ServerHandle]:
 def ajet_repo(tmp_path: Path) -> Path:
     """A real git repo with a committed copy of the project's ajet/."""
     return make_ajet_repo(tmp_path / "repo")
+
+
+@pytest.fixture(scope="session")
+def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """ajet-tiny fine-tuned to call get_weather (tests/tool_model.py), built once a session."""
+    from tests.tool_model import finetune_tool_model
+
+    return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")
+
+
+@pytest.fixture(scope="session")
+def tool_server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[ServerHandle]:
+    """A token-protected server whose engine serves `tool_model` (tool-calling tests)."""
+    from tests.support import rolling_server
+    from tests.tool_model import tool_job
+
+    with rolling_server(tmp_path_factory.mktemp("tools"), tool_job(tool_model)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def tool_worker(tool_server: ServerHandle) -> Iterator[SwarmClient]:
+    with SwarmClient(tool_server.url, token=WORKER_TOKEN, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def tool_tokenizer(tool_model: Path) -> Any:
+    """The tool model's tokenizer, to render expected prompts in the test process."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tool_model)

@@ -59,6 +59,12 @@ class BackendDefaults:
     weight_decay: float = 0.0
     #: How often idle claims are checked against their timeout.
     sweep_interval_s: float = 0.2
+    #: A `/v1/*` body over `chat_bytes_per_prompt_token * max_prompt_length +
+    #: chat_bytes_allowance` bytes is refused (413) before it is parsed or tokenised. One
+    #: token of non-ASCII text can cost 8 bytes of JSON (a `\\uXXXX` escape and more), and
+    #: the allowance covers the JSON around the text (message framing, tool schemas).
+    chat_bytes_per_prompt_token: int = 8
+    chat_bytes_allowance: int = 64 * 1024
     #: Torch intra-op threads on CPU (0 = one per core). The engine shares the machine
     #: with the swarm server and the rollout workers; tiny matrices gain nothing from more.
     cpu_threads: int = 1
@@ -116,6 +122,8 @@ class EngineConfig:
     adam_betas: tuple[float, float]
     weight_decay: float
     sweep_interval_s: float
+    #: byte bound of a chat body (BackendDefaults.chat_bytes_per_prompt_token)
+    max_chat_bytes: int
 
     @property
     def episodes_per_step(self) -> int:
@@ -195,6 +203,8 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         adam_betas=(backend.adam_beta1, backend.adam_beta2),
         weight_decay=backend.weight_decay,
         sweep_interval_s=backend.sweep_interval_s,
+        max_chat_bytes=backend.chat_bytes_per_prompt_token * job.max_prompt_length
+        + backend.chat_bytes_allowance,
     )
 
 

@@ -34,6 +34,8 @@ from ajet.engine.trajectory import Completion, Trajectory
 from ajet.protocol import EngineState
 
 __all__ = [
+    "EVAL_EPISODE",
+    "TRAIN_EPISODE",
     "Episode",
     "EpisodeClosed",
     "EpisodeError",
@@ -45,6 +47,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: Episode types: trained on, or served but never trained on (`episode_type`).
+TRAIN_EPISODE = "train"
+EVAL_EPISODE = "eval"
 
 #: Closed episode ids remembered so that a late call gets 409 "already ended", not 404.
 _HISTORY = 100_000
@@ -188,6 +194,15 @@ class EpisodeRegistry:
             episode.busy += 1
             episode.last_active = self._clock()
             return episode
+
+    def episode_type(self, episode_uuid: str) -> str:
+        """`"eval"` (served, never trained on) or `"train"`; how the chat plane samples.
+
+        Episodes without a type (the registry before eval episodes) are training ones.
+        """
+        with self._cond:
+            episode = self._live.get(episode_uuid)
+            return str(getattr(episode, "episode_type", None) or TRAIN_EPISODE)
 
     def chat_finished(self, episode_uuid: str, completion: Completion | None) -> bool:
         """Record a finished completion; False if the episode closed meanwhile (dropped)."""

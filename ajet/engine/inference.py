@@ -55,8 +55,9 @@ __all__ = [
 ]
 
 #: A request's temperature 0 (greedy, in OpenAI's convention) samples from
-#: softmax(logits / MIN_TEMPERATURE): the most likely token, up to near-ties.
-MIN_TEMPERATURE = 1e-3
+#: softmax(logits / MIN_TEMPERATURE): a temperature this small puts all the mass on the
+#: arg-max (log_softmax stays finite), without a second sampling routine.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -75,6 +76,7 @@ class GenerationRequest:
     on_done: Callable[[GenerationResult | BaseException], None]
     on_delta: Callable[[str], None] | None = None
     stop: tuple[str, ...] = ()
+    #: None = the run's setting; set only for `eval` episodes (0 = greedy)
     temperature: float | None = None
     top_p: float | None = None
     #: Requests with the same session (the episode uuid) go to the same rank, so a

@@ -148,19 +148,22 @@ class RecomputeGenerator(Generator):
         return _Row(handle, ReplyText(self.policy.decode, handle.request.stop))
 
     def _decode_step(self, rows: list[_Row]) -> list[_Row]:
-        # one temperature and top_p per forward pass: rows with other settings wait a step
-        settings = [effective_sampling(r.request, self.temperature, self.top_p) for r in rows]
-        temperature, top_p = settings[0]
-        step = [row for row, s in zip(rows, settings, strict=True) if s == settings[0]]
-        sequences = [row.request.prompt_ids + row.response_ids for row in step]
+        # one forward pass per sampling setting: rows of eval episodes may ask for their own
+        by_setting: dict[tuple[float, float], list[_Row]] = {}
+        for row in rows:
+            setting = effective_sampling(row.request, self.temperature, self.top_p)
+            by_setting.setdefault(setting, []).append(row)
         with self._step_lock, self.policy.lock:
-            tokens, logprobs = sample_tokens(self.policy, sequences, temperature=temperature,
-                                             top_p=top_p, generator=self._generator)
-        self.tokens_generated += len(step)
-        for row, token, logprob in zip(step, tokens, logprobs, strict=True):
-            row.response_ids.append(token)
-            row.logprobs.append(logprob)
-            self._advance(row, token)
+            sampled = [(group, sample_tokens(
+                self.policy, [row.request.prompt_ids + row.response_ids for row in group],
+                temperature=temperature, top_p=top_p, generator=self._generator))
+                for (temperature, top_p), group in by_setting.items()]
+        self.tokens_generated += len(rows)
+        for group, (tokens, logprobs) in sampled:
+            for row, token, logprob in zip(group, tokens, logprobs, strict=True):
+                row.response_ids.append(token)
+                row.logprobs.append(logprob)
+                self._advance(row, token)
         return [row for row in rows if not row.handle.done]
 
     def _advance(self, row: _Row, token: int) -> None:

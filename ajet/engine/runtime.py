@@ -165,7 +165,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
             return 0
         plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
         plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
-        plane.policy, plane.inference = policy, routed or local
+        plane.set_policy(policy, routed or local)
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)

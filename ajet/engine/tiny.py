@@ -7,8 +7,14 @@ random weights from `torch.manual_seed(seed)`: the same seed and spec give the s
 weights. Both are saved as an ordinary Hugging Face checkpoint directory and then loaded
 through the same code path as any checkpoint (`policy.load_policy`).
 
+Its chat template is ChatML with function calling in the Qwen2.5 format (tools listed
+in the system turn, `<tool_call>` blocks, `<tool_response>` results), and its tokenizer
+carries the matching `response_template`, so tool calls run end to end on the embedded
+default (`chat_format`). The context (16k positions) fits the job's default prompt and
+response lengths.
+
 The directory is `<workdir>/models/ajet-tiny/seed<seed>-<fingerprint>/`; the fingerprint
-hashes the spec, alphabet and chat template, so a synced change to this module builds a
+hashes the spec, alphabet, chat and response templates, so a synced change to this module builds a
 fresh checkpoint instead of reusing a stale one. It is written to a `.partial-*` folder
 and renamed into place, so a killed build leaves nothing that looks finished, and two
 engines building at once both end with one complete directory.
@@ -25,6 +31,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE
+
 __all__ = ["TINY_MODEL_NAME", "TinySpec", "build_tiny_checkpoint", "ensure_tiny_model",
            "tiny_model_dir"]
 
@@ -33,18 +41,51 @@ log = logging.getLogger(__name__)
 TINY_MODEL_NAME = "ajet-tiny"
 
 #: Bump when the build procedure changes in a way the spec does not capture.
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 
 _SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 #: Printable ASCII, then newline and tab: the character vocabulary (byte values).
 _ALPHABET_BYTES = (*range(32, 127), 10, 9)
 
-# Qwen-style ChatML: <|im_start|>role\ncontent<|im_end|>\n ... <|im_start|>assistant\n
+# Qwen2.5-style ChatML with function calling, written for ajet-tiny: tools are listed in
+# the system turn as JSON inside <tools></tools>; the assistant calls one with a
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> block; tool results go back as a
+# user turn of <tool_response> blocks (consecutive results share one turn). This is the
+# format the Qwen2.5 family documents, so `chat_format` parses both the same way.
+# No whitespace control in the template: Hugging Face renders with trim_blocks, so a
+# newline that must follow a tag is written as an expression, {{ "\n" }}.
 _CHAT_TEMPLATE = (
+    "{% set system = messages[0].content if messages and messages[0].role == 'system' "
+    "else none %}"
+    "{% if tools %}"
+    "<|im_start|>system{{ '\n' }}{% if system %}{{ system }}{{ '\n\n' }}{% endif %}"
+    "# Tools\n\nYou may call these functions:\n<tools>"
+    "{% for tool in tools %}{{ '\n' }}{{ tool | tojson }}{% endfor %}{{ '\n' }}</tools>\n\n"
+    "To call one, answer:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% elif system is not none %}"
+    "<|im_start|>system{{ '\n' }}{{ system }}<|im_end|>\n"
+    "{% endif %}"
     "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% if message.role == 'system' and loop.first %}"
+    "{% elif message.role == 'assistant' %}"
+    "<|im_start|>assistant{{ '\n' }}{{ message.content or '' }}"
+    "{% for call in message.tool_calls or [] %}"
+    "{% set f = call.function if call.function is defined else call %}"
+    "{% if message.content or not loop.first %}{{ '\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ f.name }}\", \"arguments\": "
+    "{{ f.arguments if f.arguments is string else f.arguments | tojson }}}\n</tool_call>"
     "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\n' }}<tool_response>\n{{ message.content }}{{ '\n' }}</tool_response>"
+    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>{{ '\n' }}{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}{{ '\n' }}{{ message.content }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\n' }}{% endif %}"
 )
 
 
@@ -57,7 +98,9 @@ class TinySpec:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    max_position_embeddings: int = 1024
+    #: Context: the job defaults (max_prompt_length 8192 + max_response_length 1024) fit,
+    #: with room to spare. Rotary positions cost no parameters.
+    max_position_embeddings: int = 16384
     #: Std of the normal init. Small, so the untrained policy is close to uniform over
     #: the characters (exploration for RL from scratch).
     initializer_range: float = 0.02
@@ -66,6 +109,7 @@ class TinySpec:
 def _fingerprint(seed: int, spec: TinySpec) -> str:
     blob = json.dumps({"spec": dataclasses.asdict(spec), "alphabet": _ALPHABET_BYTES,
                        "specials": _SPECIAL_TOKENS, "template": _CHAT_TEMPLATE,
+                       "response_template": QWEN25_RESPONSE_TEMPLATE,
                        "format": _FORMAT_VERSION, "seed": seed}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -92,6 +136,8 @@ def build_tiny_checkpoint(target: Path, *, seed: int = 0, spec: TinySpec | None 
         additional_special_tokens=["<|im_start|>"],
     )
     tokenizer.chat_template = _CHAT_TEMPLATE
+    # how `tokenizer.parse_response` reads a reply back (content and <tool_call> blocks)
+    tokenizer.response_template = QWEN25_RESPONSE_TEMPLATE
 
     config = Qwen2Config(
         vocab_size=len(vocab),

@@ -4,7 +4,9 @@ Every chat completion served for an episode is kept with its prompt token ids (t
 chat template applied to the messages the workflow sent), the sampled response token
 ids and the log-prob of each response token under the sampling policy. The update
 trains on exactly these tokens, so what the workflow saw as text never has to be
-re-tokenised.
+re-tokenised. Each completion is its own training sample: in a multi-turn episode the
+history (earlier replies, tool calls, tool results) is prompt of the next completion,
+and only the tokens the policy sampled are trained on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ __all__ = ["Completion", "Trajectory"]
 
 @dataclass(frozen=True)
 class Completion:
-    """One `/v1/chat/completions` call of an episode."""
+    """One completion of an episode (a chat, completions or responses call)."""
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
@@ -25,6 +27,8 @@ class Completion:
     finish_reason: str
     #: engine step (number of finished updates) of the policy that sampled it
     policy_step: int
+    #: the reply held a tool call that did not parse (served as content; a step metric)
+    tool_call_parse_error: bool = False
 
     def __post_init__(self) -> None:
         if len(self.response_ids) != len(self.logprobs):

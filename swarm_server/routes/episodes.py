@@ -1,13 +1,16 @@
-"""Routes: the episode plane (`/begin_episode`, `/v1/chat/completions`, `/end_episode`,
-`/abort_episode`), proxied to the engine by `EpisodeGateway`.
+"""Routes: the episode plane (`/begin_episode`, `/end_episode`, `/abort_episode`, and the
+OpenAI-compatible `/v1/*`), proxied to the engine by `EpisodeGateway`.
 
-begin/end/abort need the worker or the control token; chat needs the episode key that
-`begin_episode` returned (as the OpenAI API key), and nothing else.
+begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
+completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
+the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
+its errors are OpenAI-shaped (`openai_error_body`) and keep `detail` and `hint`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Body, Header, Request
 from fastapi.responses import JSONResponse, Response
@@ -22,7 +25,7 @@ from ajet.protocol import (
 )
 from swarm_server.auth import bearer_token
 from swarm_server.deps import Ctx, WorkerAuth
-from swarm_server.errors import ApiError, PayloadTooLarge
+from swarm_server.errors import ApiError, NotFound, PayloadTooLarge, openai_error_body
 
 router = APIRouter(tags=["episodes"])
 
@@ -56,38 +59,112 @@ async def abort_episode(ctx: Ctx, _: WorkerAuth, body: AbortEpisodeRequest) -> d
     return await ctx.episodes.abort(body)
 
 
+_OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    400: {"model": ErrorBody, "description": "a parameter the engine cannot honour (named in "
+                                             "error.param), or a prompt over max_prompt_length"},
+    413: {"model": ErrorBody, "description": "body over the chat size bound (docs/limits.md)"},
+}
+
+
+def _openai_body(description: str, required: list[str],
+                 properties: dict[str, Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"type": "object", "description": description, "required": required,
+                   "properties": properties}}}}}
+
+
 @router.post(
-    "/v1/chat/completions", responses=_ERRORS, response_model=None,
-    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"type": "object", "description": "OpenAI chat.completions body",
-                   "required": ["messages"],
-                   "properties": {"messages": {"type": "array", "items": {"type": "object"}},
-                                  "stream": {"type": "boolean"},
-                                  "max_tokens": {"type": "integer"}}}}}}},
+    "/v1/chat/completions", responses=_OPENAI_ERRORS, response_model=None,
+    openapi_extra=_openai_body("OpenAI chat.completions body (docs/api.md)", ["messages"], {
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "stream": {"type": "boolean"}, "max_tokens": {"type": "integer"}}),
 )
 async def chat_completions(
-    ctx: Ctx, request: Request,
-    authorization: Annotated[str | None, Header()] = None,
+    ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """OpenAI-compatible chat for one episode; `Authorization: Bearer <episode key>`."""
+    return await _forward(ctx, request, authorization, "/v1/chat/completions")
+
+
+@router.post(
+    "/v1/completions", responses=_OPENAI_ERRORS, response_model=None,
+    openapi_extra=_openai_body("OpenAI completions body: one prompt in, text out", ["prompt"], {
+        "prompt": {"type": "string"}, "stream": {"type": "boolean"},
+        "max_tokens": {"type": "integer"}, "logprobs": {"type": "integer"}}),
+)
+async def completions(
+    ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """OpenAI-compatible text completion for one episode, recorded like a chat."""
+    return await _forward(ctx, request, authorization, "/v1/completions")
+
+
+@router.post(
+    "/v1/responses", responses=_OPENAI_ERRORS, response_model=None,
+    openapi_extra=_openai_body("OpenAI Responses body, stateless (docs/api.md)", ["input"], {
+        "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "instructions": {"type": "string"}, "tools": {"type": "array",
+                                                      "items": {"type": "object"}},
+        "stream": {"type": "boolean"}, "max_output_tokens": {"type": "integer"}}),
+)
+async def responses(
+    ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """OpenAI Responses API for one episode: stateless, recorded exactly like chat."""
+    return await _forward(ctx, request, authorization, "/v1/responses")
+
+
+@router.get("/v1/models", responses=_ERRORS, response_model=None)
+async def list_models(
+    ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The run's model, as OpenAI's model list; `Authorization: Bearer <episode key>`."""
+    return await _forward(ctx, request, authorization, "/v1/models", with_body=False)
+
+
+@router.get("/v1/models/{model:path}", responses=_ERRORS, response_model=None)
+async def retrieve_model(
+    ctx: Ctx, request: Request, model: str,
+    authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The run's model by name (404 for another name)."""
+    return await _forward(ctx, request, authorization, f"/v1/models/{quote(model, safe='/')}",
+                          with_body=False)
+
+
+@router.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                  include_in_schema=False)
+async def unknown_openai_route(
+    ctx: Ctx, rest: str, authorization: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Any other `/v1/` path: an OpenAI-shaped 404, once the episode key is checked."""
     try:
-        body = await _read_bounded(request, ctx.settings.max_json_bytes)
-        return await ctx.episodes.chat(bearer_token(authorization), body,
-                                       content_type=request.headers.get("content-type"))
+        ctx.episodes.authorize(bearer_token(authorization))
     except ApiError as exc:
-        # {"detail", "hint"} like every route, plus OpenAI's {"error": {...}} so that the
-        # openai client's exception message says what happened
-        message = f"{exc.detail} (hint: {exc.hint})" if exc.hint else str(exc.detail)
-        return JSONResponse(
-            {"detail": exc.detail, "hint": exc.hint,
-             "error": {"message": message, "type": _ERROR_TYPES.get(exc.status, "api_error"),
-                       "code": exc.status}},
-            status_code=exc.status, headers=exc.headers)
+        return _openai_error(exc)
+    return _openai_error(NotFound(f"/v1/{rest} is not served on the episode plane",
+                                  "the episode plane serves /v1/chat/completions, "
+                                  "/v1/completions, /v1/responses and /v1/models"))
 
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                404: "not_found_error", 409: "conflict_error", 413: "invalid_request_error",
-                422: "invalid_request_error"}
+async def _forward(ctx: Ctx, request: Request, authorization: str | None, path: str, *,
+                   with_body: bool = True) -> Response:
+    try:
+        body = await _read_bounded(request, ctx.settings.max_json_bytes) if with_body else None
+        return await ctx.episodes.openai(bearer_token(authorization), method=request.method,
+                                         path=path, body=body,
+                                         content_type=request.headers.get("content-type"))
+    except ApiError as exc:
+        return _openai_error(exc)
+
+
+def _openai_error(exc: ApiError) -> JSONResponse:
+    # {"detail", "hint"} like every route, plus OpenAI's {"error": {...}} so that an OpenAI
+    # client's exception message says what happened and what to do
+    return JSONResponse(openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param),
+                        status_code=exc.status, headers=exc.headers)
 
 
 async def _read_bounded(request: Request, limit: int) -> bytes:

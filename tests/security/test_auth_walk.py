@@ -32,6 +32,10 @@ REVIEWER = "reviewer"  # control or approver token: the server's own code, to re
 ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/health"): OPEN,
     ("POST", "/v1/chat/completions"): EPISODE_KEY,
+    ("POST", "/v1/completions"): EPISODE_KEY,
+    ("POST", "/v1/responses"): EPISODE_KEY,
+    ("GET", "/v1/models"): EPISODE_KEY,
+    ("GET", "/v1/models/{model}"): EPISODE_KEY,
     ("GET", "/version"): READER,
     ("GET", "/get_engine_status"): READER,
     ("GET", "/runs"): READER,

@@ -54,10 +54,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Hol
     registry = EpisodeRegistry(group_size=2, max_in_flight=4, default_timeout_s=60)
     registry.set_state(EngineState.ROLLING)
     generator = HoldingGenerator()
-    plane = EpisodePlane(cfg=cfg, registry=registry, run_id="r", ajet_file="x",
-                         policy=load_policy(ensure_tiny_model(root, seed=0), device="cpu",
-                                            dtype="float32", seed=0),
-                         inference=generator)
+    plane = EpisodePlane(cfg=cfg, registry=registry, run_id="r", ajet_file="x")
+    plane.set_policy(load_policy(ensure_tiny_model(root, seed=0), device="cpu",
+                                 dtype="float32", seed=0), generator)
     channel = ChannelServer(create_channel_app(plane), root / "engine.sock")
     channel.start()
     yield root / "engine.sock", generator

@@ -93,7 +93,8 @@ def test_bad_chat_requests_are_4xx(engine: EngineHandle) -> None:
     uuid = begin(engine)
     assert chat(engine, None).status_code == 400
     assert chat(engine, uuid, n=2).status_code == 400
-    long = chat(engine, uuid, messages=[{"role": "user", "content": "x" * 1000}])
+    too_long = "x" * (JOB.max_prompt_length + 1)
+    long = chat(engine, uuid, messages=[{"role": "user", "content": too_long}])
     assert long.status_code == 400 and "max_prompt_length" in long.json()["detail"]
     assert chat(engine, uuid, messages=[]).status_code == 422
     assert chat(engine, uuid, stop=[""]).status_code == 400

@@ -1,0 +1,563 @@
+"""The OpenAI-compatible routes of the private channel: chat, completions, models.
+
+    POST /v1/chat/completions   header X-Episode-UUID; tools and tool calls, logprobs, SSE
+    POST /v1/completions        header X-Episode-UUID; a prompt in, text out (RL clients)
+    GET  /v1/models[/{model}]   the run's model
+
+What each body may hold is `openai_requests`; how chats become tokens and replies become
+tool calls is `chat_format`; recording is `serving`. Every completion is recorded with
+the token ids the model saw and produced, tool-call tokens included; the reply carries an
+`ajet` object saying how it was sampled (`episode_type`, `sampling`, `ignored`) and, when
+tools were offered, `tool_call_parse_error` and `tool_choice_unmet` (docs/api.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid as uuidlib
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+
+from ajet.engine.chat_format import (
+    ChatFormat,
+    ContentStream,
+    FormatError,
+    ParsedReply,
+    RenderedPrompt,
+)
+from ajet.engine.episodes import EpisodeError
+from ajet.engine.inference import GenerationResult
+from ajet.engine.openai_requests import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Sampling,
+    ToolChoice,
+    parse_body,
+    resolve_max_tokens,
+    resolve_sampling,
+    resolve_stop,
+    resolve_tool_choice,
+)
+from ajet.engine.serving import Generation, GenerationAsk, start_generation
+
+if TYPE_CHECKING:
+    from ajet.engine.chat_api import EpisodePlane
+
+__all__ = [
+    "ChatTurn",
+    "accept_body",
+    "ajet_field",
+    "build_turn",
+    "ChatTooLarge",
+    "check_prompt_length",
+    "episode_header",
+    "finish_reason",
+    "finish_reply",
+    "openai_router",
+    "read_body",
+    "reply_events",
+    "start_chat",
+    "stream_error",
+    "token_logprobs",
+    "usage",
+]
+
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
+CHAT_PARAMS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "stream",
+                         "stream_options", "max_tokens", "max_completion_tokens", "stop",
+                         "temperature", "top_p", "logprobs"})
+#: `logprobs` is honoured at 0 only (alternatives are not computed): see the route
+COMPLETION_PARAMS = frozenset({"prompt", "stream", "stream_options", "max_tokens", "stop",
+                               "temperature", "top_p"})
+
+
+@dataclass
+class ChatTurn:
+    """One chat-shaped call (chat completions or Responses), rendered and ready to generate."""
+
+    prompt: RenderedPrompt
+    #: tools rendered into the prompt and parsed out of the reply (None: neither)
+    tools: list[dict[str, Any]] | None
+    choice: ToolChoice
+    parallel_tool_calls: bool
+    sampling: Sampling
+    ask: GenerationAsk
+    model_name: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def content_stream(self, fmt: ChatFormat) -> ContentStream | None:
+        """Streams content around tool calls; None when no tool call can appear."""
+        if self.tools is None:
+            return None
+        return fmt.content_stream(prompt_text=self.prompt.text, tools=self.tools)
+
+
+def openai_router(plane: EpisodePlane) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(plane)]}
+
+    @router.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        if model != plane.cfg.model:
+            raise _ModelNotFound(f"model {model!r} is not served here; this run serves "
+                                 f"{plane.cfg.model!r}",
+                                 "any model name works in requests: the run's model answers",
+                                 param="model")
+        return _model_card(plane)
+
+    @router.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        request: Request,
+        x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
+    ) -> JSONResponse | StreamingResponse:
+        episode_uuid, body = await accept_body(plane, request, x_episode_uuid,
+                                               ChatCompletionRequest, accepted=CHAT_PARAMS)
+        fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: prepare_chat(
+            plane, f, episode_uuid, body), streaming=body.stream, request=request)
+        logprobs = bool(body.logprobs)
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(_chat_stream(plane, fmt, generation, turn, logprobs=logprobs,
+                                     include_usage=include_usage))
+        result = await generation.wait()
+        reply = finish_reply(fmt, generation, turn, result)
+        return JSONResponse(_chat_body(plane, turn, result, reply, logprobs=logprobs))
+
+    @router.post("/v1/completions", response_model=None)
+    async def completions(
+        request: Request,
+        x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
+    ) -> JSONResponse | StreamingResponse:
+        episode_uuid, body = await accept_body(
+            plane, request, x_episode_uuid, CompletionRequest, accepted=COMPLETION_PARAMS,
+            default_only={"logprobs": ((0,), "send logprobs=0 for the sampled tokens' "
+                                       "log-probs; alternatives are not computed")})
+        fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: (
+            _prepare_completion(plane, f, episode_uuid, body)), streaming=body.stream,
+            request=request)
+        logprobs = body.logprobs is not None
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            return _sse(_completion_stream(plane, fmt, generation, turn, logprobs=logprobs,
+                                           include_usage=include_usage))
+        result = await generation.wait()
+        generation.record(result)
+        return JSONResponse(_completion_body(plane, fmt, turn, result, logprobs=logprobs))
+
+    return router
+
+
+# ---------------------------------------------------------------------------- preparing
+
+
+async def accept_body(plane: EpisodePlane, request: Request, x_episode_uuid: str | None,
+                      model: type[BodyT], *, accepted: frozenset[str],
+                      default_only: Mapping[str, tuple[tuple[Any, ...], str]] | None = None
+                      ) -> tuple[str, BodyT]:
+    """The episode and the checked body of a `/v1/*` POST.
+
+    The size bound holds before anything is read whole; JSON parsing and the parameter
+    check run in a worker thread, off the event loop.
+    """
+    episode_uuid = episode_header(x_episode_uuid)
+    raw = await read_body(request, plane)
+    body = await asyncio.to_thread(parse_body, raw, model, accepted=accepted,
+                                   default_only=default_only)
+    return episode_uuid, body
+
+
+async def read_body(request: Request, plane: EpisodePlane) -> bytes:
+    """The body, refused (413) past the chat size bound before any of it is parsed."""
+    limit = plane.cfg.max_chat_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ChatTooLarge(int(declared), limit, plane.cfg.max_prompt_length)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ChatTooLarge(size, limit, plane.cfg.max_prompt_length)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def start_chat(plane: EpisodePlane, episode_uuid: str,
+                     prepare: Callable[[ChatFormat], ChatTurn], *, streaming: bool,
+                     request: Request) -> tuple[ChatFormat, Generation, ChatTurn]:
+    """Mark the episode busy, render, and queue the generation (shared by every API).
+
+    Rendering and tokenising run in a worker thread: one episode's big chat never holds
+    the event loop that serves every other episode. The generation is cancelled when the
+    episode is aborted or the client hangs up (`serving.start_generation`).
+    """
+    fmt, inference = plane.serving()
+    registry = plane.registry
+    registry.chat_started(episode_uuid)  # 404/409 first: a closed episode is closed
+    try:
+        turn = await asyncio.to_thread(prepare, fmt)
+        generation = start_generation(registry, inference, episode_uuid, turn.ask,
+                                      streaming=streaming, request=request,
+                                      tracker=plane.generations)
+    except BaseException:
+        registry.chat_finished(episode_uuid, None)
+        raise
+    return fmt, generation, turn
+
+
+def prepare_chat(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
+                 body: ChatCompletionRequest) -> ChatTurn:
+    """Check a chat body against the run and render it with the checkpoint's template."""
+    cfg = plane.cfg
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = resolve_tool_choice(body.tool_choice, [t["function"]["name"] for t in tools])
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    asked, param = ((body.max_completion_tokens, "max_completion_tokens")
+                    if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
+    return build_turn(plane, fmt, episode_uuid, messages=messages, tools=tools, choice=choice,
+                      parallel=body.parallel_tool_calls is not False,
+                      max_tokens=resolve_max_tokens(asked, param=param,
+                                                    default=cfg.max_new_tokens,
+                                                    limit=cfg.max_response_length),
+                      stop=resolve_stop(body.stop), temperature=body.temperature,
+                      top_p=body.top_p)
+
+
+def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, *,
+               messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: ToolChoice,
+               parallel: bool, max_tokens: int, stop: tuple[str, ...],
+               temperature: float | None, top_p: float | None) -> ChatTurn:
+    """Render a chat (messages + tools) and decide how to sample it."""
+    offered = tools if tools and choice.mode != "none" else None
+    if offered and not fmt.parses_tool_calls:
+        raise BadRequest("this checkpoint's tool-call format is unknown, so calls could not be "
+                         "read back from its replies",
+                         "add a response_template to the checkpoint's tokenizer_config.json, "
+                         "or send no tools", param="tools")
+    template_kwargs: dict[str, Any] = {}
+    if offered:
+        template_kwargs = {"tool_choice": choice.name or choice.mode,
+                           "parallel_tool_calls": parallel}
+    try:
+        prompt = fmt.render(messages, tools=offered, template_kwargs=template_kwargs)
+    except FormatError as exc:
+        raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
+    check_prompt_length(plane, len(prompt.ids), param="messages")
+    sampling = _sampling(plane, episode_uuid, temperature, top_p)
+    return ChatTurn(prompt=prompt, tools=offered, choice=choice, parallel_tool_calls=parallel,
+                    sampling=sampling, ask=_ask(prompt.ids, max_tokens, stop, sampling),
+                    model_name=plane.cfg.model)
+
+
+def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
+                        body: CompletionRequest) -> ChatTurn:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise BadRequest(f"{len(prompt)} prompts in one call; one is served per call",
+                             "send one prompt per call", param="prompt")
+        prompt = prompt[0]
+    tokenizer = fmt.tokenizer
+    if isinstance(prompt, str):
+        ids = [int(i) for i in tokenizer(prompt)["input_ids"]]
+    else:
+        vocab = len(tokenizer)
+        if not prompt or any(not isinstance(i, int) or not 0 <= i < vocab for i in prompt):
+            raise BadRequest(f"prompt token ids must be a non-empty list of ids below {vocab}",
+                             "send the prompt as text, or valid token ids", param="prompt")
+        ids = [int(i) for i in prompt]
+    check_prompt_length(plane, len(ids), param="prompt")
+    cfg = plane.cfg
+    text = str(tokenizer.decode(ids, skip_special_tokens=False))
+    max_tokens = resolve_max_tokens(body.max_tokens, param="max_tokens",
+                                    default=cfg.max_new_tokens, limit=cfg.max_response_length)
+    sampling = _sampling(plane, episode_uuid, body.temperature, body.top_p)
+    return ChatTurn(prompt=RenderedPrompt(ids=ids, text=text), tools=None,
+                    choice=ToolChoice("none"), parallel_tool_calls=False, sampling=sampling,
+                    ask=_ask(ids, max_tokens, resolve_stop(body.stop), sampling),
+                    model_name=cfg.model)
+
+
+def check_prompt_length(plane: EpisodePlane, n_tokens: int, *, param: str) -> None:
+    limit = plane.cfg.max_prompt_length
+    if n_tokens > limit:
+        raise BadRequest(f"the prompt is {n_tokens} tokens; max_prompt_length is {limit}",
+                         "shorten the conversation or raise max_prompt_length in the job",
+                         param=param)
+
+
+def _sampling(plane: EpisodePlane, episode_uuid: str, temperature: float | None,
+              top_p: float | None) -> Sampling:
+    return resolve_sampling(episode_type=plane.registry.episode_type(episode_uuid),
+                            run_temperature=plane.cfg.temperature, run_top_p=plane.cfg.top_p,
+                            temperature=temperature, top_p=top_p)
+
+
+def _ask(ids: list[int], max_tokens: int, stop: tuple[str, ...], sampling: Sampling
+         ) -> GenerationAsk:
+    t, p = sampling.for_generation()
+    return GenerationAsk(prompt_ids=ids, max_new_tokens=max_tokens, stop=stop, temperature=t,
+                         top_p=p)
+
+
+# ---------------------------------------------------------------------------- replies
+
+
+def finish_reply(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
+                 result: GenerationResult) -> ParsedReply:
+    """Parse the finished reply into content and tool calls, and record it."""
+    try:
+        reply = reply_of(fmt, turn, result)
+    except BaseException:
+        generation.release()
+        raise
+    generation.record(result, tool_call_parse_error=reply.parse_error is not None)
+    return reply
+
+
+def reply_of(fmt: ChatFormat, turn: ChatTurn, result: GenerationResult) -> ParsedReply:
+    if turn.tools is None:
+        return ParsedReply(content=result.text)
+    reply = fmt.parse(result.text, prompt_text=turn.prompt.text, tools=turn.tools)
+    names = [c.name for c in reply.tool_calls]
+    if turn.choice.mode in ("required", "function"):
+        # no constrained decoding: the model's own answer is served, marked (docs/api.md)
+        turn.extra["tool_choice_unmet"] = not turn.choice.satisfied_by(names)
+    if not turn.parallel_tool_calls and len(reply.tool_calls) > 1:
+        turn.extra["tool_calls_dropped"] = len(reply.tool_calls) - 1
+        reply = ParsedReply(content=reply.content, tool_calls=reply.tool_calls[:1])
+    turn.extra["tool_call_parse_error"] = reply.parse_error
+    return reply
+
+
+def ajet_field(turn: ChatTurn) -> dict[str, Any]:
+    return {**turn.sampling.public(), **turn.extra}
+
+
+def finish_reason(result: GenerationResult, reply: ParsedReply) -> str:
+    return "tool_calls" if reply.tool_calls else result.finish_reason
+
+
+def usage(result: GenerationResult) -> dict[str, int]:
+    p, c = len(result.prompt_ids), len(result.response_ids)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def token_logprobs(fmt: ChatFormat, result: GenerationResult) -> list[dict[str, Any]]:
+    """Every recorded response token (the end-of-turn token included) and its log-prob."""
+    out = []
+    for token_id, logprob in zip(result.response_ids, result.logprobs, strict=True):
+        token = str(fmt.tokenizer.decode([token_id], skip_special_tokens=False))
+        out.append({"token": token, "logprob": logprob, "bytes": list(token.encode()),
+                    "top_logprobs": []})
+    return out
+
+
+def _tool_calls_json(reply: ParsedReply) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for c in reply.tool_calls]
+
+
+def _chat_body(plane: EpisodePlane, turn: ChatTurn, result: GenerationResult,
+               reply: ParsedReply, *, logprobs: bool) -> dict[str, Any]:
+    fmt, _ = plane.serving()
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = _tool_calls_json(reply)
+    elif message["content"] is None:
+        message["content"] = ""
+    return {
+        "id": f"chatcmpl-{uuidlib.uuid4().hex}", "object": "chat.completion",
+        "created": int(time.time()), "model": turn.model_name,
+        "choices": [{"index": 0, "message": message,
+                     "finish_reason": finish_reason(result, reply),
+                     "logprobs": {"content": token_logprobs(fmt, result)} if logprobs else None}],
+        "usage": usage(result), "ajet": ajet_field(turn),
+    }
+
+
+async def reply_events(fmt: ChatFormat, generation: Generation, turn: ChatTurn
+                       ) -> AsyncIterator[tuple[str, Any]]:
+    """A streamed chat-shaped reply, for any API's stream.
+
+    `("content", text)` as content can be shown (held back where a tool call may begin),
+    then `("done", (result, reply))` once the reply is parsed and recorded, or
+    `("error", EpisodeError)` if the episode closed meanwhile.
+    """
+    stream = turn.content_stream(fmt)
+    while True:
+        kind, payload = await generation.next_event()
+        if kind == "delta":
+            text = stream.feed(payload) if stream is not None else payload
+            if text:
+                yield "content", text
+            continue
+        result: GenerationResult = payload
+        try:
+            reply = finish_reply(fmt, generation, turn, result)
+        except EpisodeError as exc:
+            yield "error", exc
+            return
+        if stream is not None and (rest := stream.rest(reply, result.text)):
+            yield "content", rest
+        yield "done", (result, reply)
+        return
+
+
+async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generation,
+                       turn: ChatTurn, *, logprobs: bool, include_usage: bool
+                       ) -> AsyncIterator[bytes]:
+    chunk_id, created = f"chatcmpl-{uuidlib.uuid4().hex}", int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        return _event({"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                       "model": turn.model_name,
+                       "choices": [{"index": 0, "delta": delta, "finish_reason": finish,
+                                    "logprobs": extra.pop("logprobs", None)}], **extra})
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for kind, payload in reply_events(fmt, generation, turn):
+            if kind == "content":
+                yield chunk({"content": payload})
+            elif kind == "error":
+                yield stream_error(payload)
+            else:
+                result, reply = payload
+                for index, call in enumerate(reply.tool_calls):
+                    yield chunk({"tool_calls": [{"index": index, "id": call.id,
+                                                 "type": "function",
+                                                 "function": {"name": call.name,
+                                                              "arguments": ""}}]})
+                    yield chunk({"tool_calls": [{"index": index,
+                                                 "function": {"arguments": call.arguments}}]})
+                lp = {"content": token_logprobs(fmt, result)} if logprobs else None
+                yield chunk({}, finish_reason(result, reply), logprobs=lp,
+                            ajet=ajet_field(turn))
+                if include_usage:
+                    yield _event({"id": chunk_id, "object": "chat.completion.chunk",
+                                  "created": created, "model": turn.model_name, "choices": [],
+                                  "usage": usage(result)})
+        yield b"data: [DONE]\n\n"
+    finally:
+        generation.release()  # a no-op once recorded; the client may have gone away
+
+
+def _completion_body(plane: EpisodePlane, fmt: ChatFormat, turn: ChatTurn,
+                     result: GenerationResult, *, logprobs: bool) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{uuidlib.uuid4().hex}", "object": "text_completion",
+        "created": int(time.time()), "model": turn.model_name,
+        "choices": [{"index": 0, "text": result.text, "finish_reason": result.finish_reason,
+                     "logprobs": _completion_logprobs(fmt, result) if logprobs else None}],
+        "usage": usage(result), "ajet": ajet_field(turn),
+    }
+
+
+def _completion_logprobs(fmt: ChatFormat, result: GenerationResult) -> dict[str, Any]:
+    tokens = [t["token"] for t in token_logprobs(fmt, result)]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {"tokens": tokens, "token_logprobs": list(result.logprobs), "top_logprobs": None,
+            "text_offset": offsets}
+
+
+async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generation,
+                             turn: ChatTurn, *, logprobs: bool, include_usage: bool
+                             ) -> AsyncIterator[bytes]:
+    chunk_id, created = f"cmpl-{uuidlib.uuid4().hex}", int(time.time())
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
+        return _event({"id": chunk_id, "object": "text_completion", "created": created,
+                       "model": turn.model_name,
+                       "choices": [{"index": 0, "text": text, "finish_reason": finish,
+                                    "logprobs": extra.pop("logprobs", None)}], **extra})
+
+    try:
+        while True:
+            kind, payload = await generation.next_event()
+            if kind == "delta":
+                yield chunk(payload)
+                continue
+            result: GenerationResult = payload
+            try:
+                generation.record(result)
+            except EpisodeError as exc:
+                yield stream_error(exc)
+                break
+            lp = _completion_logprobs(fmt, result) if logprobs else None
+            yield chunk("", result.finish_reason, logprobs=lp, ajet=ajet_field(turn))
+            if include_usage:
+                yield _event({"id": chunk_id, "object": "text_completion", "created": created,
+                              "model": turn.model_name, "choices": [],
+                              "usage": usage(result)})
+            break
+        yield b"data: [DONE]\n\n"
+    finally:
+        generation.release()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+class ChatTooLarge(EpisodeError):
+    """413: the body is over the chat size bound (EngineConfig.max_chat_bytes)."""
+
+    status = 413
+
+    def __init__(self, size: int, limit: int, max_prompt_length: int) -> None:
+        super().__init__(
+            f"request body of {size} bytes is over this run's chat bound of {limit} bytes "
+            f"(derived from max_prompt_length={max_prompt_length}: docs/limits.md)",
+            "send a shorter conversation, or raise max_prompt_length in the job")
+
+
+class _ModelNotFound(EpisodeError):
+    status = 404
+
+    def __init__(self, detail: str, hint: str, *, param: str) -> None:
+        super().__init__(detail, hint)
+        self.param = param
+
+
+def _model_card(plane: EpisodePlane) -> dict[str, Any]:
+    return {"id": plane.cfg.model, "object": "model", "created": int(plane.started_at),
+            "owned_by": "agentjet"}
+
+
+def episode_header(value: str | None) -> str:
+    if not value:
+        raise BadRequest("missing X-Episode-UUID header",
+                         "chat through the swarm server with the episode's API key")
+    return value
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def stream_error(exc: EpisodeError) -> bytes:
+    """An error after the stream began (the status line is sent): OpenAI's error event."""
+    return _event({"error": {"message": f"{exc.detail} (hint: {exc.hint})" if exc.hint
+                             else str(exc.detail), "type": "episode_error",
+                             "param": getattr(exc, "param", None), "code": exc.status}})
+
+
+def _sse(events: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+

@@ -1,0 +1,321 @@
+"""OpenAI request bodies on the episode plane, and what of them the engine honours.
+
+Every parameter of a body is in one of four groups (`docs/api.md` has the table):
+
+- honoured: messages/prompt, tools, tool_choice, parallel_tool_calls, max_tokens (and
+  `max_completion_tokens`, `max_output_tokens`) up to the run's `max_response_length`,
+  stop, stream, stream_options.include_usage, logprobs;
+- sampling (`temperature`, `top_p`): honoured in `eval` episodes; a training episode
+  samples with the run's settings, as the original does, so that the recorded log-probs
+  are what the update assumes, and the reply says so (`ajet.sampling`, `ajet.ignored`);
+- metadata, accepted and ignored: `model` (any name; the run's model answers), `user`,
+  `metadata`, `store` (nothing is stored), `service_tier`, prompt-cache and safety ids;
+- honoured only at their default value, else a 400 naming them: `n` (1), penalties (0),
+  `logit_bias` ({}), `top_logprobs` (0: alternatives are not computed, whatever the
+  generation backend), `seed` (unset: the run's seed drives sampling), `response_format`
+  (text: no constrained decoding), and the rest listed in `_DEFAULT_ONLY`.
+
+A parameter no group names is refused too (unless null), never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ajet.engine.episodes import EVAL_EPISODE, EpisodeError
+
+__all__ = [
+    "BadRequest",
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "RequestBody",
+    "Sampling",
+    "ToolChoice",
+    "check_parameters",
+    "parse_body",
+    "resolve_max_tokens",
+    "resolve_sampling",
+    "resolve_tool_choice",
+]
+
+
+class BadRequest(EpisodeError):
+    """400: the body is valid JSON but asks for something the engine cannot serve.
+
+    `param` names the field (OpenAI's `error.param`).
+    """
+
+    status = 400
+
+    def __init__(self, detail: str, hint: str = "", *, param: str | None = None) -> None:
+        super().__init__(detail, hint)
+        self.param = param
+
+
+class InvalidBody(EpisodeError):
+    """422: the body does not match the schema; `param` is the first bad field."""
+
+    status = 422
+
+    def __init__(self, detail: Any, hint: str, *, param: str | None) -> None:
+        super().__init__(detail, hint)
+        self.param = param
+
+
+# ---------------------------------------------------------------------------- bodies
+
+
+class RequestBody(BaseModel):
+    # parameters are checked by `check_parameters` before validation; the rest of the
+    # body is kept (extra="allow") so no field is lost between the two
+    model_config = ConfigDict(extra="allow")
+
+
+class FunctionDef(RequestBody):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(RequestBody):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class CallFunction(RequestBody):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(RequestBody):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+class ChatMessage(RequestBody):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(RequestBody):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDef] | None = Field(default=None, max_length=256)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    logprobs: bool | None = None
+
+
+class CompletionRequest(RequestBody):
+    model: str | None = None
+    #: one prompt: text, or token ids
+    prompt: str | list[str] | list[int]
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    #: only 0: the sampled tokens' log-probs, without alternatives
+    logprobs: int | None = Field(default=None, ge=0)
+
+
+# ---------------------------------------------------------------------------- parameters
+
+#: Accepted and ignored, in every API.
+_IGNORED = frozenset({"model", "user", "metadata", "store", "service_tier", "prompt_cache_key",
+                      "prompt_cache_retention", "safety_identifier"})
+#: Refused unless null or one of these values; the hint says what to do instead.
+_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "send n=1 and call again for another sample"),
+    "best_of": ((1,), "send best_of=1 and call again for another sample"),
+    "frequency_penalty": ((0,), "drop it: the policy samples from its own distribution, so "
+                                "the recorded log-probs match the update"),
+    "presence_penalty": ((0,), "drop it: the policy samples from its own distribution, so "
+                               "the recorded log-probs match the update"),
+    "repetition_penalty": ((1,), "drop it: the policy samples from its own distribution"),
+    "logit_bias": (({},), "drop it: the policy samples from its own distribution"),
+    "top_logprobs": ((0,), "send logprobs=true alone: the sampled tokens' log-probs come "
+                           "back, alternatives are not computed"),
+    "seed": ((), "drop it: sampling is seeded by the run (the job's seed)"),
+    "response_format": (({"type": "text"},), "constrained decoding is not supported; ask for "
+                                             "JSON in the prompt and parse the reply"),
+    "modalities": ((["text"],), "only text is served"),
+    "audio": ((), "only text is served"),
+    "prediction": ((), "predicted outputs are not supported; drop it"),
+    "reasoning_effort": ((), "the run's model has no reasoning setting; drop it"),
+    "verbosity": ((), "the run's model has no verbosity setting; drop it"),
+    "web_search_options": ((), "built-in web search is not available; give the agent a "
+                               "function tool instead"),
+    "functions": ((), "send tools=[{'type': 'function', 'function': {...}}] instead"),
+    "function_call": ((), "send tool_choice instead"),
+    "echo": ((False,), "echo is not supported; the prompt is what you sent"),
+    "suffix": ((), "suffix (insertion) is not supported"),
+}
+
+
+def check_parameters(body: Mapping[str, Any], *, accepted: frozenset[str],
+                     default_only: Mapping[str, tuple[tuple[Any, ...], str]] | None = None
+                     ) -> None:
+    """Refuse (400, naming it) a parameter the engine cannot honour at its given value."""
+    table = {**_DEFAULT_ONLY, **(default_only or {})}
+    for name, value in body.items():
+        if name in accepted or name in _IGNORED or value is None:
+            continue
+        if name in table:
+            allowed, hint = table[name]
+            if value in allowed:
+                continue
+            raise BadRequest(f"{name}={json.dumps(value)[:200]} is not supported on the episode "
+                             "plane", hint, param=name)
+        raise BadRequest(f"unknown parameter {name!r}",
+                         "remove it; docs/api.md lists what the episode plane accepts",
+                         param=name)
+
+
+def parse_body(raw: bytes, model: type[BaseModel], *, accepted: frozenset[str],
+               default_only: Mapping[str, tuple[tuple[Any, ...], str]] | None = None
+               ) -> Any:
+    """JSON -> parameter check -> pydantic model; 400/422 naming the field at fault."""
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"the body is not valid JSON: {exc}",
+                         "send a JSON object with Content-Type: application/json") from exc
+    if not isinstance(data, dict):
+        raise BadRequest("the body must be a JSON object", "send a JSON object")
+    check_parameters(data, accepted=accepted, default_only=default_only)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""),
+                   "type": e.get("type", "")} for e in exc.errors()]
+        fields = ", ".join(_dotted(e["loc"]) for e in errors)
+        raise InvalidBody(errors, f"fix the field(s): {fields}",
+                          param=_dotted(errors[0]["loc"]) if errors else None) from exc
+
+
+def _dotted(loc: list[str]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out
+
+
+# ---------------------------------------------------------------------------- resolution
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a reply is sampled, and what of the request's ask was not applied."""
+
+    episode_type: str
+    temperature: float
+    top_p: float
+    #: "run" (the job's settings) or "request"
+    source: str
+    #: request parameters not applied (training episodes sample with the run's settings)
+    ignored: tuple[str, ...] = ()
+
+    def for_generation(self) -> tuple[float | None, float | None]:
+        """(temperature, top_p) for `GenerationRequest`: None = the run's setting."""
+        if self.source == "run":
+            return None, None
+        return self.temperature, self.top_p
+
+    def public(self) -> dict[str, Any]:
+        """The reply's `ajet` field: what sampled this reply."""
+        return {"episode_type": self.episode_type,
+                "sampling": {"temperature": self.temperature, "top_p": self.top_p,
+                             "source": self.source},
+                "ignored": list(self.ignored)}
+
+
+def resolve_sampling(*, episode_type: str, run_temperature: float, run_top_p: float,
+                     temperature: float | None, top_p: float | None) -> Sampling:
+    if episode_type == EVAL_EPISODE:
+        t = run_temperature if temperature is None else temperature
+        p = run_top_p if top_p is None else top_p
+        return Sampling(episode_type, t, p, "request")
+    ignored = tuple(name for name, value, run in (("temperature", temperature, run_temperature),
+                                                  ("top_p", top_p, run_top_p))
+                    if value is not None and value != run)
+    return Sampling(episode_type, run_temperature, run_top_p, "run", ignored)
+
+
+def resolve_max_tokens(asked: int | None, *, param: str, default: int, limit: int) -> int:
+    if asked is None:
+        return default
+    if asked > limit:
+        raise BadRequest(f"{param}={asked} is over this run's max_response_length ({limit})",
+                         f"ask for at most {limit} tokens, or raise max_response_length in "
+                         "the job", param=param)
+    return asked
+
+
+def resolve_stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    out = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in out) or len(out) > 4:
+        raise BadRequest("stop must be up to 4 non-empty strings", "fix the stop field",
+                         param="stop")
+    return out
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """The request's tool choice, checked against its tools."""
+
+    #: "none" (tools not rendered, reply not parsed), "auto", "required" or "function"
+    mode: str
+    #: the function a named choice asks for
+    name: str | None = None
+
+    def satisfied_by(self, names: list[str]) -> bool:
+        if self.mode == "required":
+            return bool(names)
+        if self.mode == "function":
+            return self.name in names
+        return True
+
+
+def resolve_tool_choice(choice: str | dict[str, Any] | None, tool_names: list[str]
+                        ) -> ToolChoice:
+    """OpenAI's `tool_choice` (chat or Responses shape) against the offered tools."""
+    if choice is None:
+        return ToolChoice("auto" if tool_names else "none")
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise BadRequest(f"tool_choice={choice!r} is not one of none, auto, required",
+                             "send none, auto, required or {'type': 'function', ...}",
+                             param="tool_choice")
+        if choice == "required" and not tool_names:
+            raise BadRequest("tool_choice='required' but no tools were sent",
+                             "send tools, or drop tool_choice", param="tool_choice")
+        return ToolChoice(choice if tool_names else "none")
+    fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+    name = fn.get("name") if choice.get("type") == "function" else None
+    if not isinstance(name, str):
+        raise BadRequest(f"tool_choice {json.dumps(choice)[:200]} is not a function choice",
+                         "send {'type': 'function', 'function': {'name': ...}}",
+                         param="tool_choice")
+    if name not in tool_names:
+        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools sent",
+                         "name one of the tools", param="tool_choice")
+    return ToolChoice("function", name)
