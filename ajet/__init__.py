@@ -16,6 +16,8 @@ from ajet.errors import (
     SwarmError,
     SwarmHTTPError,
     SwarmNotFound,
+    SwarmServerOfflineError,
+    SwarmStateError,
     SwarmTimeout,
     SwarmValidationError,
 )
@@ -33,6 +35,8 @@ __all__ = [
     "SwarmError",
     "SwarmHTTPError",
     "SwarmNotFound",
+    "SwarmServerOfflineError",
+    "SwarmStateError",
     "SwarmTimeout",
     "SwarmValidationError",
 ]

@@ -4,6 +4,11 @@ Small typed surface, private helpers behind it (httpx's model). Every request ha
 timeout, every wait a deadline; server errors become `ajet.errors.SwarmHTTPError`
 subclasses carrying the server's `detail` and `hint`.
 
+The same class carries the original AgentJet client's methods (`get_engine_status`,
+`begin_episode`, `end_episode`, ...) with their original meaning, from
+`ajet.original_client.OriginalClientMixin`, which builds them on the typed calls here
+(docs/compat.md lists both sets of names).
+
 Compatibility path: `from ajet.tuner_lib.experimental.swarm_client import SwarmClient`.
 """
 
@@ -23,6 +28,7 @@ import httpx
 from pydantic import BaseModel
 
 from ajet.copilot.job import AgentJetJob
+from ajet.original_client import OriginalClientMixin, RetryPolicy
 from ajet.errors import (
     EngineStateConflict,
     SwarmConnectionError,
@@ -68,12 +74,13 @@ SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEI
 _LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
-class SwarmClient:
+class SwarmClient(OriginalClientMixin):
     """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
 
     `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
+    `retry` sets the back-offs and deadlines of the original AgentJet methods.
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class SwarmClient:
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
         #: the original client's switches: chatty progress logs, and the last job sent
@@ -101,6 +109,7 @@ class SwarmClient:
         self._server_log: Path | None = None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
+        self._init_original(retry)
         if auto_start_swarm_server:
             self._ensure_local_server(
                 workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),
@@ -112,6 +121,7 @@ class SwarmClient:
 
     def close(self) -> None:
         """Close the connection; stop the server if this client started it."""
+        self._close_original()
         self._http.close()
         proc, self._server_process = self._server_process, None
         if proc is not None and proc.poll() is None:
@@ -163,7 +173,7 @@ class SwarmClient:
             return None
 
     def start_run(self, *, force_restart: bool = False, wait: bool = False,
-                     wait_timeout: float = 300.0) -> EngineStatus:
+                  wait_timeout: float = 300.0) -> EngineStatus:
         """Start the engine with the current config; optionally wait until it serves."""
         status = self._call("POST", "/start_engine", json={"force_restart": force_restart},
                             model=EngineStatus, timeout=max(self._timeout, 60.0))
@@ -228,14 +238,14 @@ class SwarmClient:
     # ------------------------------------------------------------------ code (issue 4)
 
     def push_code(self, path: str | os.PathLike[str],
-                                 force_restart: bool = False) -> CodeSyncResult:
+                  force_restart: bool = False) -> CodeSyncResult:
         """Sync the git-tracked files under `<path>/ajet` incrementally (manifest, blobs, commit)."""
         from ajet.code_sync import push_tree
 
         return push_tree(self, Path(path), force_restart=force_restart)
 
     def push_code_zip(self, zip_path: str | os.PathLike[str],
-                        force_restart: bool = False) -> CodeSyncResult:
+                      force_restart: bool = False) -> CodeSyncResult:
         """One-shot upload of a zip whose members all live under `ajet/`."""
         data = Path(zip_path).read_bytes()
         return self._call(
@@ -360,26 +370,43 @@ class SwarmClient:
 
     # ------------------------------------------------------------------ episodes (issue 3)
 
-    def open_episode(self, discard_episode_timeout: float | None = None,
-                      **metadata: Any) -> BeginEpisodeResponse:
-        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it."""
-        body: dict[str, Any] = {"metadata": metadata}
+    def open_episode(self, discard_episode_timeout: float | None = None, *,
+                     episode_type: str = "train", client_uuid: str | None = None,
+                     task_id: str | None = None, **metadata: Any) -> BeginEpisodeResponse:
+        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it.
+
+        `episode_type="eval"` episodes are served but never trained on; with
+        `client_uuid`, only that client may end or abort the episode.
+        """
+        body: dict[str, Any] = {"metadata": metadata, "episode_type": episode_type}
         if discard_episode_timeout is not None:
             body["discard_episode_timeout"] = discard_episode_timeout
+        if client_uuid is not None:
+            body["client_uuid"] = client_uuid
+        if task_id is not None:
+            body["task_id"] = task_id
         return self._call("POST", "/begin_episode", json=body, model=BeginEpisodeResponse)
 
     def report_episode(self, episode_uuid: str, task_id: str, reward: float, *,
-                    is_success: bool | None = None, metadata: dict[str, Any] | None = None,
-                    log_metrics: dict[str, float] | None = None) -> EndEpisodeResponse:
-        """Report an episode's reward; the engine trains on it."""
+                       is_success: bool | None = None, metadata: dict[str, Any] | None = None,
+                       log_metrics: dict[str, float] | None = None,
+                       client_uuid: str | None = None,
+                       declare_client_active: bool = True) -> EndEpisodeResponse:
+        """Report an episode's reward; the engine trains on it (not on an eval episode)."""
         body = {"episode_uuid": episode_uuid, "task_id": str(task_id), "reward": reward,
                 "is_success": is_success, "metadata": metadata or {},
-                "log_metrics": log_metrics or {}}
+                "log_metrics": log_metrics or {}, "client_uuid": client_uuid,
+                "declare_client_active": declare_client_active}
         return self._call("POST", "/end_episode", json=body, model=EndEpisodeResponse)
 
-    def cancel_episode(self, episode_uuid: str, *, reason: str = "aborted") -> None:
+    def cancel_episode(self, episode_uuid: str, *, reason: str = "aborted",
+                       client_uuid: str | None = None,
+                       declare_client_active: bool = True) -> None:
         """Give an episode up; its slot is re-queued for another worker."""
-        self._call("POST", "/abort_episode", json={"episode_uuid": episode_uuid, "reason": reason})
+        self._call("POST", "/abort_episode",
+                   json={"episode_uuid": episode_uuid, "reason": reason,
+                         "client_uuid": client_uuid,
+                         "declare_client_active": declare_client_active})
 
     # ------------------------------------------------------------------ private
 

@@ -3,6 +3,10 @@
     SwarmError                       base of everything below
     ├── SwarmConnectionError         server unreachable, or a request timed out
     ├── SwarmTimeout                 a bounded wait (e.g. for ENGINE.ROLLING) ran past its deadline
+    ├── SwarmServerOfflineError      the engine went ENGINE.OFFLINE while a call waited for it
+    │                                (the original AgentJet name; carries the server's last_error)
+    ├── SwarmStateError              an original-surface call found the engine in the wrong
+    │                                state (also a RuntimeError, which the original raises)
     ├── PackagingError               the local tree cannot be packaged (not git, symlink, too big)
     └── SwarmHTTPError               the server answered with an error status
         ├── SwarmAuthError           401 / 403: token missing, wrong, or lacks the role
@@ -30,6 +34,8 @@ __all__ = [
     "SwarmError",
     "SwarmHTTPError",
     "SwarmNotFound",
+    "SwarmServerOfflineError",
+    "SwarmStateError",
     "SwarmTimeout",
     "SwarmValidationError",
     "error_for_status",
@@ -46,6 +52,21 @@ class SwarmConnectionError(SwarmError):
 
 class SwarmTimeout(SwarmError):
     """A bounded wait ran past its deadline; the message says what was awaited."""
+
+
+class SwarmServerOfflineError(SwarmError):
+    """The engine went ENGINE.OFFLINE (a failed boot, a crash, a stop) while a call waited.
+
+    The original AgentJet client raises an exception of this name from `begin_episode`,
+    `start_engine` and friends; the message carries the server's `last_error`.
+    """
+
+
+class SwarmStateError(SwarmError, RuntimeError):
+    """The engine's state does not allow this call (`start_engine` while not OFFLINE, ...).
+
+    Also a `RuntimeError`, which the original AgentJet client raises in these cases.
+    """
 
 
 class PackagingError(SwarmError):

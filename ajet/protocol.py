@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 
 __all__ = [
     "AbortEpisodeRequest",
@@ -32,6 +32,7 @@ __all__ = [
     "CodeSyncResult",
     "CommitRequest",
     "ConfigAccepted",
+    "ConfigNote",
     "EndEpisodeRequest",
     "EndEpisodeResponse",
     "EngineReport",
@@ -53,6 +54,7 @@ __all__ = [
     "SnapshotPublic",
     "SnapshotsPage",
     "StartEngineRequest",
+    "StartEngineResponse",
     "StopEngineRequest",
     "StopEngineResponse",
     "SyncConfigRequest",
@@ -152,15 +154,53 @@ class EngineStatus(BaseModel):
         default=ApprovalState.NOT_ENFORCED,
         description="Approval of the active code (the server's own code counts as approved)")
 
+    # The original AgentJet server's keys, so its client (and scripts reading the dict of
+    # `get_engine_status()`) find what they expect (docs/compat.md).
+    @computed_field(description="The state string (original AgentJet key)")  # type: ignore[prop-decorator]
+    @property
+    def engine_status(self) -> str:
+        return self.state.value
+
+    @computed_field(description="The engine's step count, 0 before any (original key)")  # type: ignore[prop-decorator]
+    @property
+    def global_step(self) -> int:
+        return self.step or 0
+
+    @computed_field(description="What the state means right now (original key)")  # type: ignore[prop-decorator]
+    @property
+    def engine_status_detail(self) -> str | None:
+        if self.state == EngineState.OFFLINE and self.last_error is not None:
+            return f"last run failed: {self.last_error.reason}"
+        if self.state == EngineState.BOOTING:
+            return f"booting run {self.run_id}"
+        return None
+
 
 class SyncConfigRequest(_Model):
-    yaml: str = Field(description="AgentJetJob as YAML", max_length=1_000_000)
+    # `yaml_as_string` is the original AgentJet's name of the same field (its nested form)
+    yaml: str = Field(description="AgentJetJob as YAML: this project's flat form, or the "
+                                  "original's nested `ajet:` tree (also sent as "
+                                  "`yaml_as_string`)",
+                      max_length=1_000_000,
+                      validation_alias=AliasChoices("yaml", "yaml_as_string"))
+
+
+class ConfigNote(BaseModel):
+    """A job setting that was accepted but is not applied as the original applies it."""
+
+    field: str
+    status: str = Field(description="no_effect | ignored | differs")
+    reason: str
 
 
 class ConfigAccepted(BaseModel):
     config_hash: str
     experiment_name: str
     config: dict[str, Any]
+    notes: list[ConfigNote] = Field(
+        default_factory=list,
+        description="Settings stored without effect here, and nested keys with no meaning here")
+    success: bool = Field(default=True, description="Always true (original AgentJet key)")
 
 
 class StartEngineRequest(_Model):
@@ -173,10 +213,17 @@ class StopEngineRequest(_Model):
     reason: str = Field(default="stopped by request", max_length=500)
 
 
+class StartEngineResponse(EngineStatus):
+    """The status right after a start (BOOTING), plus the original AgentJet keys."""
+
+    success: bool = Field(default=True, description="The start was accepted (original key)")
+
+
 class StopEngineResponse(BaseModel):
     stopped: bool = Field(description="True if an engine process was running and is now gone")
     run_id: str | None = None
     state: EngineState
+    success: bool = Field(default=True, description="Always true: stop is idempotent (original key)")
 
 
 # ---------------------------------------------------------------------------- code
@@ -198,6 +245,19 @@ class Provenance(BaseModel):
     host: str | None = None
     created_at: float | None = None
     source: str = Field(default="manifest", description="manifest | zip")
+    withheld: bool = Field(
+        default=False, description="A worker-token view: `diff`, `untracked_left_out` and "
+        "`host` are withheld (workers never see code); `diff_bytes` and `untracked_count` "
+        "say how much there was")
+    diff_bytes: int | None = None
+    untracked_count: int | None = None
+
+    def for_worker(self) -> Provenance:
+        """What a worker-token holder may read: no diff, no file names, no host."""
+        return self.model_copy(update={
+            "diff": "", "untracked_left_out": [], "host": None, "withheld": True,
+            "diff_bytes": len(self.diff.encode("utf-8")),
+            "untracked_count": len(self.untracked_left_out)})
 
 
 class ManifestRequest(_Model):
@@ -285,6 +345,15 @@ class CodeSyncResult(BaseModel):
     untracked_left_out: list[str] = Field(default_factory=list)
     timings: dict[str, float] = Field(default_factory=dict)
     approval: SnapshotApproval | None = None
+    # the original AgentJet server's keys
+    success: bool = Field(default=True, description="Always true on 200 (original key)")
+    message: str = Field(default="Training code synced successfully.",
+                         description="Original AgentJet key")
+
+    @computed_field(description="The snapshot's ajet/ folder (original key; same as `path`)")  # type: ignore[prop-decorator]
+    @property
+    def temp_ajet_code_path(self) -> str:
+        return self.path
 
 
 class ActivateRequest(_Model):
@@ -437,10 +506,21 @@ class AuditPage(BaseModel):
 # ---------------------------------------------------------------------------- episodes
 
 
+EpisodeType = Literal["train", "eval"]
+
+
 class BeginEpisodeRequest(_Model):
-    # Kept for compatibility with AgentJet's begin_episode(...); all optional.
+    # The arguments of AgentJet's begin_episode(...); all optional.
     discard_episode_timeout: float | None = Field(default=None, gt=0, le=86_400)
     metadata: dict[str, Any] = Field(default_factory=dict)
+    episode_type: EpisodeType = Field(
+        default="train", description="'eval' episodes are served but never trained on")
+    client_uuid: str | None = Field(
+        default=None, max_length=100,
+        description="The claiming client; only it may end or abort the episode")
+    task_id: str | None = Field(
+        default=None, max_length=500,
+        description="The task this episode will run, if known (throttle policies count it)")
 
 
 class BeginEpisodeResponse(BaseModel):
@@ -458,17 +538,26 @@ class EndEpisodeRequest(_Model):
     is_success: bool | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
     log_metrics: dict[str, float] = Field(default_factory=dict)
+    client_uuid: str | None = Field(default=None, max_length=100,
+                                    description="Must match the claiming client, if it named one")
+    declare_client_active: bool = Field(
+        default=True, description="Count this client as active (agree_sync_weight methods)")
 
 
 class EndEpisodeResponse(BaseModel):
     episode_uuid: str
     accepted: bool
     step: int | None = None
+    trained: bool = Field(default=True, description="False for an eval episode: never trained on")
+    success: bool = Field(default=True, description="Original AgentJet key")
 
 
 class AbortEpisodeRequest(_Model):
     episode_uuid: str = Field(max_length=100)
     reason: str = Field(default="aborted", max_length=500)
+    client_uuid: str | None = Field(default=None, max_length=100,
+                                    description="Must match the claiming client, if it named one")
+    declare_client_active: bool = True
 
 
 # ---------------------------------------------------------------------------- engine

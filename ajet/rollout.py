@@ -35,7 +35,9 @@ from typing import Any
 
 from ajet.client import SwarmClient
 from ajet.errors import EngineStateConflict, SwarmConnectionError, SwarmError, SwarmHTTPError
+from ajet.original_wire import flat_log_metrics, reward_of
 from ajet.protocol import BeginEpisodeResponse
+from ajet.schema.task import WorkflowOutput as OriginalWorkflowOutput
 
 __all__ = ["RolloutRunner", "RolloutStats", "WorkflowFn", "WorkflowOutput", "load_workflow",
            "run_workflow"]
@@ -261,11 +263,16 @@ class RolloutRunner:
 def _as_output(result: float | WorkflowOutput) -> WorkflowOutput:
     if isinstance(result, WorkflowOutput):
         output = result
+    elif isinstance(result, OriginalWorkflowOutput):  # ajet.schema.task, as AgentJet writes it
+        output = WorkflowOutput(reward=reward_of(result), is_success=result.is_success,
+                                log_metrics=flat_log_metrics(result.log_metrics),
+                                metadata=dict(result.metadata))
     elif isinstance(result, (int, float)) and not isinstance(result, bool):
         output = WorkflowOutput(reward=float(result))
     else:
         raise TypeError(
-            f"a workflow returns a float or WorkflowOutput, not {type(result).__name__}")
+            f"a workflow returns a float or WorkflowOutput (ajet.rollout or ajet.schema.task), "
+            f"not {type(result).__name__}")
     if not math.isfinite(output.reward):
         raise ValueError(f"the workflow returned a non-finite reward {output.reward!r}")
     return output

@@ -32,6 +32,7 @@ from bench import (
     bench_generation,
     bench_mcp,
     bench_restart,
+    bench_soak,
     bench_sync,
     bench_train_memory,
     bench_training,
@@ -53,6 +54,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "generation": bench_generation.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
+    "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ class ValidatedConfig:
     config_hash: str  # sha256 of `yaml_text`
     experiment_name: str
     ajet_file: str | None  # which ajet the validator ran from
+    notes: list[dict[str, str]] = field(default_factory=list)  # accepted without effect
 
 
 def config_hash(yaml_text: str) -> str:
@@ -101,6 +102,8 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     return ValidatedConfig(
         config=config, yaml_text=text, config_hash=config_hash(text),
         experiment_name=str(config.get("experiment_name") or ""), ajet_file=ajet_file,
+        notes=[{k: str(n.get(k, "")) for k in ("field", "status", "reason")}
+               for n in result.get("notes") or [] if isinstance(n, dict)],
     )
 
 

@@ -249,6 +249,13 @@ class EngineController:
                 return self._run.run_id
             return None
 
+    def current_step(self) -> int | None:
+        """The serving engine's training step (updates done) at its last report, else None."""
+        with self._lock:
+            if self._run is not None and self._state in SERVING_STATES and self._run.report:
+                return self._run.report.step
+            return None
+
     def latest_run_id(self) -> str | None:
         """The run of the engine process if there is one, else the newest run ever."""
         with self._lock:
@@ -294,7 +301,8 @@ class EngineController:
                  checked.config_hash[:12])
         self._replenish_standby()  # a start is likely to follow
         return ConfigAccepted(config_hash=checked.config_hash,
-                              experiment_name=checked.experiment_name, config=checked.config)
+                              experiment_name=checked.experiment_name, config=checked.config,
+                              notes=checked.notes)
 
     def current_config(self) -> ConfigAccepted | None:
         """The stored job (what the next start uses), or None if none was ever sent."""

@@ -1,22 +1,82 @@
 """`AgentJetJob`: the validated description of one training job.
 
 A job is what a user or agent writes on the laptop and sends with
-`SwarmClient.submit_config(job)`; the server stores its YAML and the engine turns it
-into its own config (`ajet.engine.config`). Defaults live in
-`ajet/default_config/job.yaml` and run on a CPU with the built-in `ajet-tiny` model.
+`SwarmClient.submit_config(job)` (or the original `sync_train_config(job)`); the server
+stores its YAML and the engine turns it into its own config (`ajet.engine.config`).
+Defaults live in `ajet/default_config/job.yaml` and run on a CPU with the built-in
+`ajet-tiny` model.
+
+Every constructor argument of the original AgentJet job is accepted. Each one either
+drives the engine, or is stored and reported as having no effect here (`NO_EFFECT`,
+returned as `notes` when the server accepts the job), or is refused with the reason
+(`backbone="trinity"`, `swarm_mode=False`, `use_kl_in_reward=True`); docs/compat.md
+has the table. Two YAML forms are read: this project's flat one (`to_yaml`,
+`from_yaml`) and the original's nested `ajet:` tree (`job.config`, `dump_job_as_yaml`,
+`build_job_from_yaml`), converted by `ajet.copilot.nested_config`. Keys of the nested
+tree with no meaning here are kept in `nested_extras` and listed, never dropped.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
+import logging
+import time
+import typing
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-__all__ = ["LORA_LR_SCALE", "AgentJetJob", "JobValidationError", "default_job_values"]
+from ajet.copilot import nested_config
+
+__all__ = ["LORA_LR_SCALE", "NO_EFFECT", "AgentJetJob", "JobValidationError",
+           "default_job_values"]
+
+log = logging.getLogger(__name__)
+
+SampleCollectionMethod = Literal[
+    "rollout_until_finish_enough_episodes",
+    "rollout_until_finish_enough_tasks",
+    "rollout_until_finish_enough_non_dummy_tasks",
+    "rollout_until_any_client_agree_sync_weight",
+    "rollout_until_all_clients_agree_sync_weight",
+]
+
+#: Original arguments stored with the job but without effect here, and why. A value
+#: other than the default comes back as a note when the server accepts the job.
+NO_EFFECT: dict[str, str] = {
+    "project_name": "stored with the job; runs are grouped by experiment_name",
+    "experiment_dir": "runs are written under the server's workdir (runs/<run_id>); "
+                      "server_experiment_dir() says where",
+    "logging": "metrics go to the run's metrics.jsonl, served by GET /runs/{id}/metrics; "
+               "no tensorboard, wandb or swanlab logger",
+    "tensor_model_parallel_size": "generation keeps one model copy per process; "
+                                  "no tensor parallelism",
+    "max_num_seqs": "the generation batch is a backend default "
+                    "(ajet/engine/config.py, BackendDefaults.max_generation_batch)",
+    "lora_load_format": "only checked by the original's LoRA rules; adapters load their own way",
+    "layered_summon": "only checked by the original's LoRA rules; adapters load their own way",
+    "kl_penalty_type": "only used with use_kl_in_reward, which is not supported",
+    "compute_madness_checklist": "no madness checks run; rewards are taken as sent",
+    "val_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
+    "train_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
+    "timeline_compare_level": "no context tracker: every completion is its own sample",
+}
+
+#: Nested keys listed one by one in the notes; the rest are counted.
+_MAX_LISTED_KEYS = 40
 
 
 @functools.cache
@@ -28,6 +88,10 @@ def default_job_values() -> dict[str, Any]:
 
 def _default(name: str) -> Any:
     return default_job_values()[name]
+
+
+def _d(name: str) -> Callable[[], Any]:
+    return lambda: copy.deepcopy(_default(name))
 
 
 #: With LoRA and no `lr` given, lr = this x the full fine-tuning default (LoRA's best
@@ -44,52 +108,70 @@ class JobValidationError(ValueError):
         self.errors = errors
 
 
+class _EitherMethod:
+    """A method that works on the class (returns a new job) and on a job (updates it)."""
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self.func = func
+        self.__doc__ = func.__doc__
+
+    def __get__(self, obj: Any, owner: type) -> Callable[..., Any]:
+        return functools.partial(self.func, owner, obj)
+
+
 class AgentJetJob(BaseModel):
     """One GRPO training job. Unknown keys are rejected, so a typo never goes unnoticed."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True,
+                              ignored_types=(_EitherMethod,))
 
     experiment_name: str = Field(
-        default_factory=lambda: _default("experiment_name"),
+        default_factory=_d("experiment_name"),
         min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
         description="Name that groups runs; letters, digits, '_', '-', '.'",
     )
     algorithm: Literal["grpo"] = Field(default="grpo", description="Only GRPO is implemented")
     model: str = Field(
-        default_factory=lambda: _default("model"), min_length=1, max_length=1000,
+        default_factory=_d("model"), min_length=1, max_length=1000,
         description="'ajet-tiny' (built locally) or a Hugging Face checkpoint directory on the server",
     )
-    n_gpu: int = Field(default_factory=lambda: _default("n_gpu"), ge=0, le=1024,
+    n_gpu: int = Field(default_factory=_d("n_gpu"), ge=0, le=1024,
                        description="GPUs per node; >1 launches torchrun; 0 runs on CPU")
-    n_proc: int = Field(default_factory=lambda: _default("n_proc"), ge=1, le=1024,
+    n_proc: int = Field(default_factory=_d("n_proc"), ge=1, le=1024,
                         description="Processes per node when n_gpu is 0 (CPU, gloo)")
-    nnodes: int = Field(default_factory=lambda: _default("nnodes"), ge=1, le=1024)
-    node_rank: int = Field(default_factory=lambda: _default("node_rank"), ge=0)
-    rdzv_endpoint: str | None = Field(default_factory=lambda: _default("rdzv_endpoint"),
+    nnodes: int = Field(default_factory=_d("nnodes"), ge=1, le=1024)
+    node_rank: int = Field(default_factory=_d("node_rank"), ge=0)
+    rdzv_endpoint: str | None = Field(default_factory=_d("rdzv_endpoint"),
                                       description="host:port of the torchrun rendezvous (nnodes > 1)")
-    batch_size: int = Field(default_factory=lambda: _default("batch_size"), ge=1, le=100_000,
+    batch_size: int = Field(default_factory=_d("batch_size"), ge=1, le=100_000,
                             description="Task groups per training step")
-    num_repeat: int = Field(default_factory=lambda: _default("num_repeat"), ge=1, le=1024,
+    num_repeat: int = Field(default_factory=_d("num_repeat"), ge=1, le=1024,
                             description="Episodes per task group (GRPO group size)")
-    lr: float = Field(default_factory=lambda: _default("lr"), gt=0, le=1.0)
-    ppo_epochs: int = Field(default_factory=lambda: _default("ppo_epochs"), ge=1, le=100)
-    clip_ratio: float = Field(default_factory=lambda: _default("clip_ratio"), gt=0, le=10)
-    kl_coef: float = Field(default_factory=lambda: _default("kl_coef"), ge=0, le=100)
-    max_grad_norm: float = Field(default_factory=lambda: _default("max_grad_norm"), gt=0)
-    max_prompt_length: int = Field(default_factory=lambda: _default("max_prompt_length"),
+    lr: float = Field(default_factory=_d("lr"), gt=0, le=1.0)
+    ppo_epochs: int = Field(default_factory=_d("ppo_epochs"), ge=1, le=100)
+    clip_ratio: float = Field(default_factory=_d("clip_ratio"), gt=0, le=10)
+    kl_coef: float = Field(default_factory=_d("kl_coef"), ge=0, le=100,
+                           description="Weight of the KL loss term (applied when use_kl_loss)")
+    max_grad_norm: float = Field(default_factory=_d("max_grad_norm"), gt=0)
+    max_prompt_length: int = Field(default_factory=_d("max_prompt_length"),
                                    ge=1, le=1_000_000)
-    max_response_length: int = Field(default_factory=lambda: _default("max_response_length"),
+    max_response_length: int = Field(default_factory=_d("max_response_length"),
                                      ge=1, le=1_000_000)
-    max_new_tokens: int = Field(default_factory=lambda: _default("max_new_tokens"), ge=1,
-                                le=1_000_000, description="Tokens sampled per completion")
-    temperature: float = Field(default_factory=lambda: _default("temperature"), gt=0, le=10)
-    top_p: float = Field(default_factory=lambda: _default("top_p"), gt=0, le=1)
-    seed: int = Field(default_factory=lambda: _default("seed"), ge=0)
-    save_every: int = Field(default_factory=lambda: _default("save_every"), ge=0,
+    max_new_tokens: int = Field(
+        default_factory=_d("max_new_tokens"), ge=1, le=1_000_000,
+        validation_alias=AliasChoices("max_new_tokens", "max_response_length_in_one_turn"),
+        description="Tokens sampled per completion (the original's "
+                    "max_response_length_in_one_turn: one setting, two names)")
+    temperature: float = Field(default_factory=_d("temperature"), gt=0, le=10)
+    top_p: float = Field(default_factory=_d("top_p"), gt=0, le=1)
+    seed: int = Field(default_factory=_d("seed"), ge=0)
+    save_every: int = Field(default_factory=_d("save_every"), ge=0,
                             description="Checkpoint every N steps; 0 = only at stop")
-    max_steps: int = Field(default_factory=lambda: _default("max_steps"), ge=0,
-                           description="Stop after N steps; 0 = until stopped")
-    episode_timeout_s: float = Field(default_factory=lambda: _default("episode_timeout_s"),
+    max_steps: int = Field(
+        default_factory=_d("max_steps"), ge=0,
+        validation_alias=AliasChoices("max_steps", "total_training_steps"),
+        description="Stop after N steps; 0 = until stopped (the original's total_training_steps)")
+    episode_timeout_s: float = Field(default_factory=_d("episode_timeout_s"),
                                      gt=0, le=86_400,
                                      description="A claimed episode idle this long is re-queued")
     # --- generation (issue 17): KV cache sizing
@@ -135,31 +217,221 @@ class AgentJetJob(BaseModel):
     @classmethod
     def _lora_learning_rate(cls, data: Any) -> Any:
         # adapters need a larger step than full fine-tuning; only when lr is not given
-        if isinstance(data, dict) and "lr" not in data and (data.get("lora_rank") or 0) > 0:
+        if isinstance(data, dict) and data.get("lr") is None and (data.get("lora_rank") or 0) > 0:
             return {**data, "lr": _default("lr") * LORA_LR_SCALE}
         return data
+
+
+    # --- the original AgentJet's arguments (docs/compat.md)
+    project_name: str = Field(default_factory=_d("project_name"), max_length=200,
+                              description="Stored; no effect here (NO_EFFECT)")
+    experiment_dir: str = Field(default_factory=_d("experiment_dir"), max_length=1000,
+                                description="Stored; no effect here (NO_EFFECT)")
+    logging: str = Field(default_factory=_d("logging"), max_length=100,
+                         description="Stored; no effect here (NO_EFFECT)")
+    swarm_mode: bool = Field(default_factory=_d("swarm_mode"),
+                             description="Must be true: this server trains in swarm mode only")
+    swarm_mode_sample_collection_method: SampleCollectionMethod = Field(
+        default_factory=_d("swarm_mode_sample_collection_method"),
+        description="When a step's batch is complete (see docs/compat.md)")
+    max_env_worker: int | None = Field(
+        default_factory=_d("max_env_worker"), ge=1, le=1_000_000,
+        description="Episodes claimed at once, all clients together; null = "
+                    "batch_size * num_repeat")
+    backbone: str = Field(default_factory=_d("backbone"), max_length=50,
+                          description="'verl' or 'debug': both run this project's engine")
+    max_model_len: int | None = Field(
+        default_factory=_d("max_model_len"), ge=1, le=10_000_000,
+        description="Longest prompt + response; must be at least their sum")
+    tensor_model_parallel_size: int = Field(default_factory=_d("tensor_model_parallel_size"),
+                                            ge=1, le=1024)
+    max_num_seqs: int = Field(default_factory=_d("max_num_seqs"), ge=1, le=1_000_000)
+    lora_load_format: str = Field(default_factory=_d("lora_load_format"), max_length=50)
+    layered_summon: bool = Field(default_factory=_d("layered_summon"))
+    use_kl_loss: bool = Field(default_factory=_d("use_kl_loss"),
+                              description="Add the KL term (weight kl_coef) to the loss")
+    use_kl_in_reward: bool = Field(default_factory=_d("use_kl_in_reward"),
+                                   description="Must be false: no KL penalty in the reward")
+    kl_penalty_type: str = Field(default_factory=_d("kl_penalty_type"), max_length=50)
+    compute_madness_checklist: list[str] = Field(
+        default_factory=_d("compute_madness_checklist"), max_length=100)
+    val_print_to_markdown_file_path: str | None = Field(
+        default_factory=_d("val_print_to_markdown_file_path"), max_length=1000)
+    train_print_to_markdown_file_path: str | None = Field(
+        default_factory=_d("train_print_to_markdown_file_path"), max_length=1000)
+    timeline_compare_level: Literal["text", "token"] = Field(
+        default_factory=_d("timeline_compare_level"))
+    nested_extras: dict[str, Any] = Field(
+        default_factory=_d("nested_extras"),
+        description="Keys of the original's nested YAML with no meaning here, kept as given")
+    # constructor-only arguments of the original (never written to YAML)
+    ensure_new_experiment: bool = Field(
+        default=False, exclude=True,
+        description="Append a timestamp to experiment_name (done once, at construction)")
+    base_yaml_config: str | None = Field(
+        default=None, exclude=True, max_length=4096,
+        description="A YAML file (nested or flat) read first; the other arguments override it")
+
+    # ------------------------------------------------------------------ validation
+
+    @model_validator(mode="before")
+    @classmethod
+    def _original_arguments(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("base_yaml_config"):
+            base = _read_job_file(Path(str(data["base_yaml_config"])))
+            data = {**base, **{k: v for k, v in data.items() if v is not None}}
+        # the original's arguments default to None, meaning "not given"; a field that
+        # takes None (max_model_len, ...) keeps it
+        data = {k: v for k, v in data.items() if v is not None or _nullable(k)}
+        for alias, name in _FIELD_OF.items():
+            if alias in data and name in data and data[alias] != data[name]:
+                raise ValueError(f"{alias} and {name} are one setting under two names; "
+                                 f"got {data[alias]} and {data[name]}: pass one of them")
+        lengths = ("max_prompt_length", "max_response_length", "max_model_len",
+                   "max_response_length_in_one_turn")
+        named = {n for n in lengths if data.get(n) is not None}
+        given = named | ({"max_response_length_in_one_turn"}
+                         if data.get("max_new_tokens") is not None else set())
+        # The original's rule holds once one of its own length names is given; this
+        # project's form (max_prompt_length, max_response_length, max_new_tokens) stays.
+        if named & {"max_model_len", "max_response_length_in_one_turn"} and \
+                given != set(lengths):
+            raise ValueError(
+                "(`max_prompt_length`, `max_response_length`, `max_model_len`, "
+                "`max_response_length_in_one_turn`) must all be None or all be non-None; "
+                f"missing: {', '.join(sorted(set(lengths) - given))}")
+        if data.pop("ensure_new_experiment", False):
+            name = str(data.get("experiment_name") or _default("experiment_name"))
+            data["experiment_name"] = f"{name}_{time.strftime('%Y%m%d-%H%M%S')}"
+        return data
+
+    @field_validator("backbone")
+    @classmethod
+    def _check_backbone(cls, value: str) -> str:
+        if value == "trinity":
+            raise ValueError("Trinity backbone is not yet supported in AgentJetJob; this "
+                             "server runs its own engine: use backbone='verl' (the default)")
+        if value not in ("verl", "debug"):
+            raise ValueError(f"unknown backbone {value!r}; use 'verl' (the default)")
+        return value
 
     @model_validator(mode="after")
     def _check_consistency(self) -> AgentJetJob:
         if self.max_new_tokens > self.max_response_length:
-            raise ValueError("max_new_tokens must not exceed max_response_length")
+            raise ValueError("max_new_tokens (max_response_length_in_one_turn) must not exceed "
+                             "max_response_length")
+        if self.max_model_len is not None and (
+                self.max_prompt_length + self.max_response_length > self.max_model_len):
+            raise ValueError(
+                f"illegal token length: max_prompt_length + max_response_length = "
+                f"{self.max_prompt_length + self.max_response_length} exceeds max_model_len "
+                f"{self.max_model_len}")
         if self.node_rank >= self.nnodes:
             raise ValueError("node_rank must be smaller than nnodes")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        if not self.swarm_mode:
+            raise ValueError("swarm_mode=False is not supported: this server trains in swarm "
+                             "mode only (rollouts come from clients); leave swarm_mode unset")
+        if self.use_kl_in_reward:
+            raise ValueError("use_kl_in_reward=True is not supported: the KL term is a loss "
+                             "term here; set use_kl_loss=True and kl_coef instead")
+        # the original's LoRA learning-rate rule; its load_format and layered_summon rules
+        # are verl's adapter loading, which has no counterpart here (NO_EFFECT)
+        if self.lora_rank > 0:
+            if self.lr <= 1e-5:
+                raise ValueError("lr should usually be greater than 1e-5 for lora training, "
+                                 f"got {self.lr}")
         return self
+
+    # ------------------------------------------------------------------ original names
+
+    @property
+    def max_response_length_in_one_turn(self) -> int:
+        """The original's name of `max_new_tokens`."""
+        return self.max_new_tokens
+
+    @max_response_length_in_one_turn.setter
+    def max_response_length_in_one_turn(self, value: int) -> None:
+        self.max_new_tokens = value
+
+    @property
+    def total_training_steps(self) -> int | None:
+        """The original's name of `max_steps` (None = until stopped)."""
+        return self.max_steps or None
+
+    @total_training_steps.setter
+    def total_training_steps(self, value: int | None) -> None:
+        self.max_steps = value or 0
+
+    @property
+    def config(self) -> JobConfigView:
+        """The nested `ajet:` view: `job.config.ajet.rollout.max_env_worker = 64`."""
+        return JobConfigView(self, ())
+
+    def nested(self) -> dict[str, Any]:
+        """The job as the original's nested tree (what `dump_job_as_yaml` writes)."""
+        fields = self.model_dump(mode="json", exclude={"nested_extras"})
+        fields["max_steps"] = fields["max_steps"] or None  # the original's null = unlimited
+        return nested_config.nest(fields, self.nested_extras)
+
+    def compat_notes(self) -> list[dict[str, str]]:
+        """Settings accepted without effect here, and nested keys with no meaning here."""
+        try:
+            defaults = default_job_values()
+        except OSError:  # a synced tree without the defaults file: list every such setting
+            defaults = {}
+        notes = [{"field": name, "status": "no_effect", "reason": reason}
+                 for name, reason in NO_EFFECT.items()
+                 if getattr(self, name) != defaults.get(name)]
+        keys = nested_config.leaf_paths(self.nested_extras)
+        for path in keys[:_MAX_LISTED_KEYS]:
+            notes.append({"field": path, "status": "ignored",
+                          "reason": "no meaning in this project's engine; kept in the job"})
+        if len(keys) > _MAX_LISTED_KEYS:
+            notes.append({"field": "(more)", "status": "ignored",
+                          "reason": f"{len(keys) - _MAX_LISTED_KEYS} more nested keys with no "
+                                    "meaning here; all are kept in nested_extras"})
+        return notes
 
     # ------------------------------------------------------------------ YAML
 
     def to_yaml(self) -> str:
+        """This project's flat YAML (what `submit_config` sends)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     def dump_yaml(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml(), encoding="utf-8")
 
+    def dump_job_as_yaml(self, yaml_path: str) -> str:
+        """Write the original's nested YAML to `yaml_path`; returns the path."""
+        path = Path(yaml_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.nested(), sort_keys=False), encoding="utf-8")
+        log.info("Saved training config to %s", yaml_path)
+        return yaml_path
+
+    @_EitherMethod
+    def build_job_from_yaml(cls, self: AgentJetJob | None, yaml_path: str | Path) -> Any:
+        """Read a job YAML (nested or flat).
+
+        On the class, returns a new job: `AgentJetJob.build_job_from_yaml(path)`. On a
+        job, applies the file as an override of it and returns the nested dict, as the
+        original's instance method returns its config dict.
+        """
+        loaded = cls.load_yaml(yaml_path)
+        if self is None:
+            return loaded
+        for name in loaded.model_fields_set:
+            setattr(self, name, getattr(loaded, name))
+        return self.nested()
+
     @classmethod
     def from_yaml(cls, text: str) -> AgentJetJob:
-        """Parse and validate; raises `JobValidationError` naming each bad field."""
+        """Parse and validate flat or nested YAML; raises `JobValidationError` naming each bad field."""
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
@@ -173,11 +445,15 @@ class AgentJetJob(BaseModel):
                 "the job YAML must be a mapping of field: value",
                 [{"loc": [], "msg": "expected a mapping of field: value"}],
             )
+        nested = nested_config.is_nested(data)
+        if nested:
+            data = _from_nested(data)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
             errors = [
-                {"loc": [str(p) for p in e["loc"]], "msg": e["msg"], "type": e["type"]}
+                {"loc": _nested_loc(e["loc"]) if nested else [str(p) for p in e["loc"]],
+                 "msg": e["msg"], "type": e["type"]}
                 for e in exc.errors()
             ]
             fields = ", ".join(".".join(e["loc"]) or "(job)" for e in errors)
@@ -186,3 +462,90 @@ class AgentJetJob(BaseModel):
     @classmethod
     def load_yaml(cls, path: str | Path) -> AgentJetJob:
         return cls.from_yaml(Path(path).read_text(encoding="utf-8"))
+
+
+class JobConfigView:
+    """Attribute access to a job's nested tree; assignments write through to the job.
+
+    A path that maps to a job field sets that field (validated); any other path is kept
+    in `nested_extras` and has no effect (the server lists it in its notes).
+    """
+
+    __slots__ = ("_job", "_path")
+
+    def __init__(self, job: AgentJetJob, path: tuple[str, ...]) -> None:
+        object.__setattr__(self, "_job", job)
+        object.__setattr__(self, "_path", path)
+
+    def to_dict(self) -> dict[str, Any]:
+        found, node = nested_config.get_path(self._job.nested(), list(self._path))
+        return copy.deepcopy(node) if found and isinstance(node, dict) else {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        keys = [*self._path, name]
+        found, node = nested_config.get_path(self._job.nested(), keys)
+        if not found:
+            raise AttributeError(f"the job's config has no key {'.'.join(keys)}")
+        return JobConfigView(self._job, tuple(keys)) if isinstance(node, dict) else node
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        keys = [*self._path, name]
+        field = nested_config.NESTED_FIELDS.get(".".join(keys))
+        if field is None and tuple(keys[:-1]) == nested_config.OWN_SECTION:
+            field = name
+        if field is not None and (field in AgentJetJob.model_fields or field in _FIELD_OF):
+            setattr(self._job, field, value)
+            return
+        extras = copy.deepcopy(self._job.nested_extras)
+        nested_config.set_path(extras, keys, value)
+        self._job.nested_extras = extras
+        log.info("config key %s has no meaning in this project's engine; kept in the job",
+                 ".".join(keys))
+
+    def __repr__(self) -> str:
+        return f"JobConfigView({'.'.join(self._path) or '<root>'}: {self.to_dict()!r})"
+
+
+#: The original's names of this project's fields (alias -> field).
+_FIELD_OF = {"max_response_length_in_one_turn": "max_new_tokens",
+             "total_training_steps": "max_steps"}
+
+
+def _nullable(name: str) -> bool:
+    field = AgentJetJob.model_fields.get(_FIELD_OF.get(name, name))
+    return field is None or type(None) in typing.get_args(field.annotation)
+
+
+def _known_names() -> set[str]:
+    return set(AgentJetJob.model_fields) | set(_FIELD_OF)
+
+
+def _from_nested(tree: dict[str, Any]) -> dict[str, Any]:
+    fields, rest = nested_config.flatten(tree, _known_names())
+    extras = fields.pop("nested_extras", None)
+    if isinstance(extras, dict):  # a nested file written by an older dump
+        rest = {**extras, **rest}
+    return {**fields, "nested_extras": rest} if rest else fields
+
+
+def _read_job_file(path: Path) -> dict[str, Any]:
+    """A YAML file as flat job fields (for `base_yaml_config`)."""
+    if not path.is_file():
+        raise ValueError(f"Configuration yaml is absent! {path}")
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the job YAML must be a mapping")
+    return _from_nested(data) if nested_config.is_nested(data) else data
+
+
+def _nested_loc(loc: tuple[Any, ...]) -> list[str]:
+    """A field's error location, named by its nested path when it has one."""
+    names = [str(p) for p in loc]
+    if not names:
+        return names
+    by_field = {v: k for k, v in nested_config.NESTED_FIELDS.items()}
+    field = _FIELD_OF.get(names[0], names[0])
+    path = by_field.get(names[0]) or by_field.get(field)
+    return [path, *names[1:]] if path else names

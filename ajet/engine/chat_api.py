@@ -9,6 +9,15 @@
                                 completions, completions, models (`openai_api`) and
                                 responses (`responses_api`)
 
+The original AgentJet's statistics and client calls (answered by the server's
+`routes/original.py` through the gateway):
+
+    GET  /rollout_pool          the current batch's pool statistics
+                                (CurrentBatchRolloutPoolInformation keys)
+    GET  /episode_buffer        {"buffer": [EpisodeStatus, ...]} (claimed episodes, no keys)
+    POST /can_continue_episode  {client_uuid, episode_uuid} -> {"can_continue": bool}
+    POST /agree_sync_weight     {client_uuid} -> {"success", "failure_reason"}
+
 Errors are `{"detail", "hint"}` like the public API, plus `param` (the request field at
 fault) where one is named; the swarm server turns them into OpenAI's shape on `/v1/*`.
 Authentication is not done here: only the swarm server can reach the socket (0600, in the
@@ -42,6 +51,10 @@ from ajet.protocol import (
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
+)
+from ajet.tuner_lib.experimental.interchange_utils import (
+    AgreeSyncWeightRequest,
+    CanContinueEpisodeRequest,
 )
 
 __all__ = ["EpisodePlane", "create_channel_app"]
@@ -108,24 +121,45 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
 
     @app.post("/begin_episode")
     async def begin_episode(body: BeginEpisodeRequest) -> dict[str, Any]:
-        episode = registry.begin(timeout_s=body.discard_episode_timeout, metadata=body.metadata)
+        episode = registry.begin(timeout_s=body.discard_episode_timeout, metadata=body.metadata,
+                                 episode_type=body.episode_type, client_uuid=body.client_uuid,
+                                 task_id=body.task_id)
         return {"episode_uuid": episode.uuid, "timeout_s": episode.timeout_s}
 
     @app.post("/end_episode")
     async def end_episode(body: EndEpisodeRequest) -> EndEpisodeResponse:
-        registry.end(body.episode_uuid, task_id=body.task_id, reward=body.reward,
-                     is_success=body.is_success, metadata=body.metadata,
-                     log_metrics=body.log_metrics)
+        episode = registry.end(body.episode_uuid, task_id=body.task_id, reward=body.reward,
+                               is_success=body.is_success, metadata=body.metadata,
+                               log_metrics=body.log_metrics, client_uuid=body.client_uuid,
+                               declare_client_active=body.declare_client_active)
         return EndEpisodeResponse(episode_uuid=body.episode_uuid, accepted=True,
-                                  step=registry.step)
+                                  step=registry.step,
+                                  trained=episode.episode_type == "train")
 
     @app.post("/abort_episode")
     async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
-        requeued = registry.abort(body.episode_uuid)
+        requeued = registry.abort(body.episode_uuid, client_uuid=body.client_uuid)
         cancelled = plane.generations.cancel(body.episode_uuid)  # frees their KV cache
         log.info("episode %s aborted: %s%s", body.episode_uuid, body.reason,
                  f" ({cancelled} generation(s) cancelled)" if cancelled else "")
         return {"episode_uuid": body.episode_uuid, "requeued": requeued}
+
+    @app.get("/rollout_pool")
+    async def rollout_pool() -> dict[str, Any]:
+        return {**registry.pool_statistics(), "training_model_path": plane.cfg.model}
+
+    @app.get("/episode_buffer")
+    async def episode_buffer() -> dict[str, Any]:
+        return {"buffer": registry.episode_buffer()}
+
+    @app.post("/can_continue_episode")
+    async def can_continue_episode(body: CanContinueEpisodeRequest) -> dict[str, Any]:
+        return {"can_continue": registry.can_continue(body.episode_uuid, body.client_uuid)}
+
+    @app.post("/agree_sync_weight")
+    async def agree_sync_weight(body: AgreeSyncWeightRequest) -> dict[str, Any]:
+        accepted, why_not = registry.agree_sync_weight(body.client_uuid)
+        return {"success": accepted, "failure_reason": why_not}
 
     app.include_router(openai_router(plane))
     app.include_router(responses_router(plane))

@@ -102,6 +102,8 @@ class EngineConfig:
     lora_save_merged: bool
     micro_batch_tokens: int
     mini_batch_num: int
+    #: when a step's batch is complete (ajet.engine.episodes.COLLECTION_METHODS)
+    sample_collection_method: str
     # --- derived / backend
     device: str
     #: compute dtype: what generation and the forward/backward passes run in
@@ -162,7 +164,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         lr=job.lr,
         ppo_epochs=job.ppo_epochs,
         clip_ratio=job.clip_ratio,
-        kl_coef=job.kl_coef,
+        kl_coef=job.kl_coef if job.use_kl_loss else 0.0,
         max_grad_norm=job.max_grad_norm,
         max_prompt_length=job.max_prompt_length,
         max_response_length=job.max_response_length,
@@ -182,6 +184,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         lora_save_merged=job.lora_save_merged,
         micro_batch_tokens=job.micro_batch_tokens,
         mini_batch_num=job.mini_batch_num,
+        sample_collection_method=job.swarm_mode_sample_collection_method,
         device="cuda" if on_gpu else "cpu",
         # GPUs compute in bf16 over fp32 master weights and optimizer state (bf16 weights
         # lose small updates: at lr 1e-6 only ~2% of them change); CPUs are slow in bf16.
@@ -191,7 +194,9 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         activation_checkpointing=(on_gpu if job.activation_checkpointing == "auto"
                                   else bool(job.activation_checkpointing)),
         cpu_threads=max(1, min(threads, cpu_count)),
-        max_in_flight=max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
+        # the original's max_env_worker, when given, is the number of episodes open at once
+        max_in_flight=job.max_env_worker or max(
+            1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
         max_generation_batch=backend.max_generation_batch,
         generation_backend=backend.generation_backend,
         cpu_kv_cache_mb=backend.cpu_kv_cache_mb,

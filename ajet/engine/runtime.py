@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import logging
 import os
 import signal
@@ -124,7 +125,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     registry: EpisodeRegistry | None = None
     if rank == 0:  # the episode plane answers ENGINE.BOOTING while the rest boots
         registry = EpisodeRegistry(group_size=cfg.num_repeat, max_in_flight=cfg.max_in_flight,
-                                   default_timeout_s=cfg.episode_timeout_s)
+                                   default_timeout_s=cfg.episode_timeout_s,
+                                   batch_size=cfg.batch_size,
+                                   collection_method=cfg.sample_collection_method)
         plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
                              ajet_file=ajet_file,
                              info={"experiment_name": cfg.experiment_name, "model": cfg.model,
@@ -187,6 +190,8 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
             served.stop()
         if channel is not None:
             channel.stop()
+        if registry is not None:  # no call reaches it any more: its last word on its episodes
+            log.info("episodes at stop: %s", json.dumps(registry.snapshot(), sort_keys=True))
         if metrics is not None:
             metrics.close()
         dist.close()

@@ -87,9 +87,10 @@ def train(parts: TrainerParts) -> int:
     while not stop.is_set() and (cfg.max_steps == 0 or step < cfg.max_steps):
         step_start = time.monotonic()
 
-        # ROLLING: claims open until batch_size complete groups are waiting.
+        # ROLLING: claims open until the batch is complete (batch_size complete groups
+        # by default; the job's sample-collection method decides, see episodes.py).
         registry.set_state(EngineState.ROLLING, step=step)
-        if not registry.wait_until(lambda: registry.ready_groups() >= cfg.batch_size,
+        if not registry.wait_until(registry.batch_ready,
                                    stop=stop, sweep_interval_s=cfg.sweep_interval_s):
             break
 
@@ -101,7 +102,7 @@ def train(parts: TrainerParts) -> int:
 
         # WEIGHT_SYNCING: whole groups only, oldest first; the rest wait for the next step.
         registry.set_state(EngineState.WEIGHT_SYNCING)
-        groups = registry.take_groups(cfg.batch_size)
+        groups = registry.take_batch()
         episodes = [e for g in groups for e in g.episodes]
         rewards = process_rewards([e.reward or 0.0 for e in episodes], clip=cfg.reward_clip)
         group_ids = [gi for gi, g in enumerate(groups) for _ in g.episodes]

@@ -15,6 +15,7 @@ from ajet.protocol import (
     ErrorBody,
     HealthResponse,
     StartEngineRequest,
+    StartEngineResponse,
     StopEngineRequest,
     StopEngineResponse,
     SyncConfigRequest,
@@ -81,14 +82,14 @@ def get_train_config(ctx: Ctx, _: ReaderAuth) -> ConfigAccepted:
 
 @router.post("/start_engine", responses={**_AUTH_ERRORS, **_STATE_ERROR})
 def start_engine(ctx: Ctx, role: ControlAuth, body: StartEngineRequest | None = None
-                 ) -> EngineStatus:
+                 ) -> StartEngineResponse:
     """Start the engine on the last config (a new run). Returns at once in BOOTING.
 
     Poll `GET /get_engine_status` until a serving state; a failed boot falls back to
     OFFLINE with `last_error`.
     """
     ctx.engine.start(role=role, force_restart=body.force_restart if body else False)
-    return ctx.engine.status()
+    return StartEngineResponse.model_validate(ctx.engine.status().model_dump())
 
 
 @router.post("/stop_engine", responses=_AUTH_ERRORS)

@@ -1,6 +1,11 @@
 """Routes: the episode plane (`/begin_episode`, `/end_episode`, `/abort_episode`, and the
 OpenAI-compatible `/v1/*`), proxied to the engine by `EpisodeGateway`.
 
+`/end_episode` and `/abort_episode` also take the original AgentJet client's body
+(`client_uuid`, `workflow_output`, ...); `ajet.original_wire` turns either shape into
+the one model the handler uses, and the reply carries `success` next to this project's
+keys. The original's own claim route, `/claim_episode`, is in `routes/original.py`.
+
 begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
 completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
 the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
@@ -12,9 +17,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Body, Header, Request
+from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
+from ajet import original_wire
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
@@ -23,11 +30,22 @@ from ajet.protocol import (
     EndEpisodeResponse,
     ErrorBody,
 )
+from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
 from swarm_server.auth import bearer_token
 from swarm_server.deps import Ctx, WorkerAuth
-from swarm_server.errors import ApiError, NotFound, PayloadTooLarge, openai_error_body
+from swarm_server.errors import (
+    ApiError,
+    NotFound,
+    PayloadTooLarge,
+    Unprocessable,
+    openai_error_body,
+)
+from swarm_server.limits import BodyLimit
 
 router = APIRouter(tags=["episodes"])
+
+#: begin/end/abort bodies are small; a bound well under max_json_bytes (docs/limits.md).
+_EPISODE_BODY = [Depends(BodyLimit.setting("max_episode_body_bytes"))]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "token or episode key missing, wrong or void"},
@@ -37,7 +55,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/begin_episode", responses=_ERRORS)
+@router.post("/begin_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def begin_episode(
     ctx: Ctx, _: WorkerAuth, request: Request,
     body: Annotated[BeginEpisodeRequest | None, Body()] = None,
@@ -47,16 +65,36 @@ async def begin_episode(
                                     public_base_url=str(request.base_url))
 
 
-@router.post("/end_episode", responses=_ERRORS)
-async def end_episode(ctx: Ctx, _: WorkerAuth, body: EndEpisodeRequest) -> EndEpisodeResponse:
-    """Report an episode's reward; the engine trains on its group."""
-    return await ctx.episodes.end(body)
+@router.post("/end_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
+async def end_episode(ctx: Ctx, _: WorkerAuth,
+                      body: Annotated[EndEpisodeRequest | OriginalEnd, Body()]
+                      ) -> EndEpisodeResponse:
+    """Report an episode's reward; the engine trains on its group (not on an eval episode)."""
+    return await ctx.episodes.end(_converted(original_wire.end_request, body))
 
 
-@router.post("/abort_episode", responses=_ERRORS)
-async def abort_episode(ctx: Ctx, _: WorkerAuth, body: AbortEpisodeRequest) -> dict[str, Any]:
+@router.post("/abort_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
+async def abort_episode(ctx: Ctx, _: WorkerAuth,
+                        body: Annotated[AbortEpisodeRequest | OriginalEnd, Body()]
+                        ) -> dict[str, Any]:
     """Give an episode up; `requeued` is true when another claim can start right away."""
-    return await ctx.episodes.abort(body)
+    return {**await ctx.episodes.abort(_converted(original_wire.abort_request, body)),
+            "success": True}
+
+
+def _converted(convert: Any, body: Any) -> Any:
+    """An original body as this project's request; 422 naming the field it cannot serve."""
+    try:
+        return convert(body)
+    except original_wire.OriginalBodyError as exc:
+        raise Unprocessable([{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
+                              "type": "value_error"}],
+                            f"fix the field {exc.field}") from exc
+    except ValidationError as exc:  # a value this project's request model bounds tighter
+        errors = [{"loc": ["body", *(str(p) for p in e["loc"])], "msg": e["msg"],
+                   "type": e["type"]} for e in exc.errors()]
+        raise Unprocessable(errors, "fix the field(s): " + ", ".join(
+            ".".join(e["loc"][1:]) for e in errors)) from exc
 
 
 _OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {

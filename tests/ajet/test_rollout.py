@@ -20,7 +20,7 @@ class EndsAfter:
         self.ended: list[str] = []
         self.lock = threading.Lock()
 
-    def open_episode(self, **_: Any) -> BeginEpisodeResponse:
+    def open_episode(self, *_: Any, **__: Any) -> BeginEpisodeResponse:
         with self.lock:
             if self.left == 0:
                 raise EngineStateConflict(409, "engine is ENGINE.OFFLINE", "start_engine")
@@ -30,7 +30,7 @@ class EndsAfter:
                                     openai_api_key="k")
 
     def report_episode(self, episode_uuid: str, task_id: str, reward: float,
-                       **_: Any) -> EndEpisodeResponse:
+                    **_: Any) -> EndEpisodeResponse:
         with self.lock:
             self.ended.append(episode_uuid)
         return EndEpisodeResponse(episode_uuid=episode_uuid, accepted=True)

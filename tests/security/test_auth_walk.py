@@ -43,6 +43,13 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/runs/{run_id}/metrics"): READER,
     ("GET", "/runs/{run_id}/logs"): READER,
     ("POST", "/begin_episode"): READER,
+    # the original AgentJet's own routes (swarm_server/routes/original.py)
+    ("POST", "/claim_episode"): READER,
+    ("GET", "/get_current_batch_rollout_pool_information"): READER,
+    ("POST", "/get_episode_buffer"): READER,
+    ("POST", "/can_continue_episode"): READER,
+    ("GET", "/get_server_experiment_dir"): READER,
+    ("POST", "/agree_sync_weight"): READER,
     ("POST", "/end_episode"): READER,
     ("POST", "/abort_episode"): READER,
     ("GET", "/sync_train_config"): READER,

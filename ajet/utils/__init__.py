@@ -1,0 +1,1 @@
+"""The original AgentJet's utility package; only `thread_executors` is provided."""
