@@ -7,7 +7,8 @@
 Runs on a bare GPU host from a checkout: Python 3.12 with only torch (2.11 or newer),
 transformers (5.17 or newer) and peft installed, no network, no install step and no
 swarm server. The engine modules it exercises (training: `learner`, `training_model`,
-`distributed`, `scoring`, `loss`; generation; `memory_plan`, `peak_memory`, `tiny`)
+`distributed`, `scoring`, `loss`; generation: `runtime.build_generator`,
+`continuous_batching`, `kv_cache`, `inference`; `memory_plan`, `peak_memory`, `tiny`)
 import without pydantic, httpx or yaml (`ajet/__init__.py` and `ajet.engine.config`
 import those lazily; `tests/bench/test_gpu_check.py` runs this script with them blocked).
 
@@ -20,7 +21,9 @@ What it does, with the engine's own classes:
    (`fully_shard`) over that rank, fp32 master weights and AdamW state with bf16 compute
    (`MixedPrecisionPolicy`), activation checkpointing, chunked log-probs, micro-batches
    by token budget, and the weights published to a bf16 inference copy after each step;
-3. submits `--requests` (64) generation requests at once to the engine's generator;
+3. submits `--requests` (64) generation requests at once to the engine's generator
+   (`runtime.build_generator`: transformers' continuous batching over the paged KV cache
+   that `kv_cache.py` sizes from `gpu_memory_utilization`, for all the requests at once);
 4. prints the decode tokens/s, the step time, the peak memory
    (`torch.cuda.max_memory_allocated`) and the memory planner's estimate for the same run.
 
@@ -127,7 +130,8 @@ def _job(args: argparse.Namespace, model_dir: Path) -> SimpleNamespace:
         activation_checkpointing=True, micro_batch_tokens=args.micro_batch_tokens,
         mini_batch_num=1, gpu_memory_gb=80.0, gpu_memory_utilization=0.85, fsdp=True,
         # the original AgentJet's names, at their defaults
-        use_kl_loss=True, max_env_worker=None,
+        # the episodes open at once: the KV cache is sized for every request together
+        use_kl_loss=True, max_env_worker=args.requests,
         swarm_mode_sample_collection_method="rollout_until_finish_enough_tasks")
 
 
@@ -173,11 +177,15 @@ def _samples(job: SimpleNamespace, vocab: int, step: int) -> list[Any]:
 def _generate(policy: Any, cfg: Any, prompts: list[list[int]], max_new: int
               ) -> tuple[int, float, list[float]]:
     """All prompts submitted at once to the engine's generator: (tokens, seconds, logprobs)."""
-    from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService
+    from ajet.engine.inference import GenerationRequest, GenerationResult
+    from ajet.engine.runtime import build_generator
 
-    service = InferenceService(policy, temperature=cfg.temperature, top_p=cfg.top_p,
-                               max_batch=max(cfg.max_generation_batch, len(prompts)),
-                               seed=cfg.seed)
+    # the engine's own generator: continuous batching over the paged KV cache, sized by
+    # kv_cache.py from the job (gpu_memory_utilization on the GPU) for all the requests
+    service = build_generator(cfg, policy)
+    if type(service).__name__ != "ContinuousBatchingGenerator":
+        raise GPUCheckFailed(f"the engine generates with {type(service).__name__}, not the "
+                             "KV-cached continuous batching backend (AJET_ENGINE_GENERATION?)")
     done = threading.Semaphore(0)
     results: list[GenerationResult | BaseException] = []
 
@@ -195,6 +203,9 @@ def _generate(policy: Any, cfg: Any, prompts: list[list[int]], max_new: int
             if not done.acquire(timeout=240):
                 raise GPUCheckFailed("generation did not finish within 240 s")
         seconds = time.perf_counter() - started
+        tokens = service.stats().get("kv_cache_tokens")
+        say(f"  KV cache: {tokens or 'the rest of gpu_memory_utilization'} tokens, "
+            f"{service.stats().get('cache_rebuilds')} build(s)")
     finally:
         service.stop()
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -13,7 +13,9 @@ runs one phase of a step through the engine's own classes, each in a fresh proce
   second update is the steady state (AdamW's moments exist during its passes);
 - generation: the episodes of one step (`max_in_flight` requests of
   `max_prompt_length` tokens, up to `max_response_length` new tokens each) submitted at
-  once to the engine's generator, as a run's first rollout (no optimizer state yet).
+  once to the engine's generator (`runtime.build_generator`: the continuous-batching
+  backend with the paged KV cache `kv_cache.py` sizes), as a run's first rollout (no
+  optimizer state yet).
 
 The peak (`PeakMemory.peak_bytes()`) is written to out.json with the memory planner's
 estimate of the same quantity (`MemoryPlan.comparable_bytes`). `tiny` is
@@ -40,7 +42,11 @@ import torch  # noqa: E402
 
 from ajet.copilot.job import AgentJetJob  # noqa: E402
 from ajet.engine.config import engine_config_from_job  # noqa: E402
-from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService  # noqa: E402
+from ajet.engine.inference import (  # noqa: E402
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+)
 from ajet.engine.learner import Learner, TrainSample  # noqa: E402
 from ajet.engine.memory_plan import (  # noqa: E402
     JobView,
@@ -51,6 +57,7 @@ from ajet.engine.memory_plan import (  # noqa: E402
 )
 from ajet.engine.peak_memory import PeakMemory  # noqa: E402
 from ajet.engine.policy import load_policy  # noqa: E402
+from ajet.engine.runtime import build_generator  # noqa: E402
 from ajet.engine.tiny import ensure_tiny_model  # noqa: E402
 
 #: the jobs measured: ajet-tiny's default batch with the short episodes the examples run
@@ -84,7 +91,7 @@ def _samples(job: AgentJetJob, vocab: int) -> list[TrainSample]:
     return out
 
 
-def _generate(inference: InferenceService, prompts: list[list[int]], max_new: int) -> int:
+def _generate(inference: Generator, prompts: list[list[int]], max_new: int) -> int:
     """Submit every prompt at once; wait for all; the number of tokens generated."""
     done = threading.Semaphore(0)
     results: list[GenerationResult | BaseException] = []
@@ -143,8 +150,7 @@ def measure(which: str, phase: str, workdir: Path, *, quick: bool) -> dict[str, 
         result["planned_bytes"] = max(plan.comparable_bytes(p)
                                       for p in ("forward", "backward", "optimizer step"))
     else:
-        inference = InferenceService(policy, temperature=1.0, top_p=1.0,
-                                     max_batch=cfg.max_generation_batch, seed=0)
+        inference = build_generator(cfg, policy)
         inference.start()
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, vocab, (job.max_prompt_length,), generator=gen).tolist()
@@ -156,8 +162,7 @@ def measure(which: str, phase: str, workdir: Path, *, quick: bool) -> dict[str, 
             inference.stop()
         result["requests"] = len(prompts)
         # the first rollout of a run: no optimizer state exists yet
-        result["planned_bytes"] = plan.comparable_bytes("generation", kinds=("transient",
-                                                                             "runtime"))
+        result["planned_bytes"] = plan.comparable_bytes("generation", first_rollout=True)
     result["measured_bytes"] = memory.peak_bytes()
     result["seconds"] = time.perf_counter() - started
     return result

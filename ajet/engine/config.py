@@ -28,6 +28,7 @@ __all__ = [
     "EngineConfig",
     "describe",
     "engine_config_from_job",
+    "episodes_in_flight",
     "load_engine_config",
 ]
 
@@ -143,6 +144,13 @@ class EngineConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+def episodes_in_flight(job: Any, backend: BackendDefaults) -> int:
+    """Episodes open at once (`EngineConfig.max_in_flight`; the memory planner sizes the
+    KV cache from it too): the original's `max_env_worker` when given, else the batch."""
+    return getattr(job, "max_env_worker", None) or max(
+        1, round(job.batch_size * job.num_repeat * backend.in_flight_factor))
+
+
 def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: int,
                            backend: BackendDefaults | None = None) -> EngineConfig:
     """Convert a job; raises `ValueError` naming the field when the machine cannot run it."""
@@ -198,9 +206,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         activation_checkpointing=(on_gpu if job.activation_checkpointing == "auto"
                                   else bool(job.activation_checkpointing)),
         cpu_threads=max(1, min(threads, cpu_count)),
-        # the original's max_env_worker, when given, is the number of episodes open at once
-        max_in_flight=job.max_env_worker or max(
-            1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
+        max_in_flight=episodes_in_flight(job, backend),
         max_generation_batch=backend.max_generation_batch,
         generation_backend=backend.generation_backend,
         cpu_kv_cache_mb=backend.cpu_kv_cache_mb,

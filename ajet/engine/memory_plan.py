@@ -44,7 +44,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ajet.engine.config import BackendDefaults
+from ajet.engine.config import BackendDefaults, episodes_in_flight
+from ajet.engine.kv_cache import (
+    CachePlan,
+    CacheTooSmall,
+    ModelGeometry,
+    generation_concurrency,
+    plan_cpu_cache,
+    plan_gpu_cache,
+)
 from ajet.engine.tiny import TINY_MODEL_NAME, TinySpec, tiny_vocab_size
 
 __all__ = [
@@ -71,7 +79,8 @@ _FP32 = 4
 _CUDA_CONTEXT = 1 * GiB
 #: NCCL's communicator buffers on each rank of a multi-GPU job.
 _NCCL_BUFFERS = GiB // 2
-#: The caching allocator's reserved-but-unallocated share (fragmentation) on GPUs.
+#: The caching allocator's reserved-but-unallocated share (fragmentation) on GPUs: a
+#: share of the tensors of each phase.
 _GPU_ALLOCATOR_SLACK = 0.05
 #: CPU, above the resident set measured after imports and model load: the pages torch's
 #: kernels and autograd's bookkeeping add in the first update, and the heap glibc's
@@ -80,6 +89,16 @@ _GPU_ALLOCATOR_SLACK = 0.05
 #: malloc bytes for ajet-tiny and the 50M model (`mallinfo2`, Linux, glibc 2.36).
 _CPU_RUNTIME = 40 * MiB
 _CPU_ALLOCATOR_SLACK = 0.38
+#: CPU: what the first decoding passes page in (the generator's kernels and threads),
+#: measured as the resident set above transformers' own footprint of the paged cache
+#: (bench/memory_plan_probe.py, ajet-tiny and the 50M model: 5-6 MiB after the slack).
+_CPU_DECODING_RUNTIME = 6 * MiB
+#: Bytes per batch token of transformers' input and output index tensors (the bulk
+#: input, the output ids, the write and read indices): ~60 B; a rounded upper bound.
+_CB_IO_BYTES_PER_TOKEN = 64
+#: transformers' default tokens per forward pass when the cache plan leaves it open
+#: (`PagedAttentionMemoryHandler._default_max_batch_tokens`).
+_CB_DEFAULT_BATCH_TOKENS = 8192
 #: Tensors alive at once while one log-prob chunk is scored (scoring._chunk_scores):
 #: the scaled fp32 logits, their log-softmax, and its exp and product for the entropy;
 #: in backward the log-softmax, the gathered gradient and the log-softmax gradient.
@@ -264,6 +283,8 @@ class JobView:
     max_prompt_length: int = 8192
     max_response_length: int = 1024
     kl_coef: float = 0.0
+    max_env_worker: int | None = None
+    gpu_memory_utilization: float = 0.85
     lora_rank: int = 0
     lora_target_modules: str | tuple[str, ...] = "all-linear"
     activation_checkpointing: bool | str = "auto"
@@ -403,6 +424,9 @@ class Term:
     #: "transient" (one phase), "runtime" (outside torch's tensor accounting on GPUs)
     kind: str
     phases: tuple[str, ...]
+    #: made by the first update (AdamW's moments, autograd's pages): absent from a run's
+    #: first rollout, which comes before it
+    steady: bool = False
 
 
 @dataclass(frozen=True)
@@ -423,10 +447,32 @@ class MemoryPlan:
     #: micro-batch tokens and log-prob chunk positions the transients were sized for
     micro_tokens: int
     chunk_positions: int
+    #: the generator's KV cache plan (`kv_cache.py`), or None where it cannot hold one
+    #: request (`cache_error` then says why, in kv_cache's words)
+    cache: CachePlan | None = None
+    cache_error: str | None = None
     fixes: list[Fix] = field(default_factory=list)
 
-    def phase_bytes(self, phase: str) -> int:
-        return sum(t.bytes for t in self.terms if phase in t.phases)
+    @property
+    def slack_share(self) -> float:
+        """The allocator's share on top of each phase's tensors: the caching allocator's
+        fragmentation on GPUs, glibc's retained heap on CPU (of what is above the model)."""
+        return _GPU_ALLOCATOR_SLACK if self.job.on_gpu else _CPU_ALLOCATOR_SLACK
+
+    def _present(self, phase: str, first_rollout: bool) -> list[Term]:
+        return [t for t in self.terms
+                if phase in t.phases and not (first_rollout and t.steady)]
+
+    def slack_bytes(self, phase: str, *, first_rollout: bool = False) -> int:
+        kinds = ("model", "state", "transient") if self.job.on_gpu else ("state", "transient")
+        return int(self.slack_share * sum(t.bytes for t in self._present(phase, first_rollout)
+                                          if t.kind in kinds))
+
+    def phase_bytes(self, phase: str, *, first_rollout: bool = False) -> int:
+        """Every term of `phase` plus the allocator's slack (`first_rollout`: before the
+        first update, without what it creates)."""
+        return (sum(t.bytes for t in self._present(phase, first_rollout))
+                + self.slack_bytes(phase, first_rollout=first_rollout))
 
     @property
     def peak_phase(self) -> str:
@@ -438,22 +484,24 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_bytes <= self.available.bytes
+        return self.cache_error is None and self.peak_bytes <= self.available.bytes
 
-    def comparable_bytes(self, phase: str | None = None, *,
-                         kinds: tuple[str, ...] | None = None) -> int:
+    def comparable_bytes(self, phase: str | None = None, *, first_rollout: bool = False
+                         ) -> int:
         """What the engine's `peak_memory_mb` measures, for the same phase (default: peak).
 
         GPU: `torch.cuda.max_memory_allocated`, every tensor (not the CUDA context nor
         the allocator's slack). CPU: the RSS high-water mark minus the RSS after imports
-        and model load, so without the loaded generation copy. `kinds` narrows the sum
-        further (the first rollout of a run has no "state" yet).
+        and model load, so without the loaded generation copy, with the slack.
+        `first_rollout`: a run's first rollout, before the first update made AdamW's
+        moments and autograd's pages.
         """
         phase = phase or self.peak_phase
-        measured = ("model", "state", "transient") if self.job.on_gpu else \
-            ("state", "transient", "runtime")
-        return sum(t.bytes for t in self.terms if phase in t.phases and t.kind in measured
-                   and (kinds is None or t.kind in kinds))
+        present = self._present(phase, first_rollout)
+        if self.job.on_gpu:
+            return sum(t.bytes for t in present if t.kind != "runtime")
+        return (sum(t.bytes for t in present if t.kind != "model")
+                + self.slack_bytes(phase, first_rollout=first_rollout))
 
     @property
     def unit(self) -> str:
@@ -483,12 +531,20 @@ class MemoryPlan:
         for t in self.terms:
             phases = "all phases" if t.phases == _ALL else ", ".join(t.phases)
             lines.append(f"  {t.name:<{width}}  {_size(t.bytes):>10}  ({phases})")
+        slack = "the tensors" if self.job.on_gpu else "what is above the loaded model"
+        lines.append(f"  {'allocator slack':<{width}}  {self.slack_share:>9.0%}  "
+                     f"(of {slack}, each phase)")
         for phase in PHASES:
             mark = "  <- peak" if phase == self.peak_phase else ""
             lines.append(f"  {'= ' + phase:<{width}}  {_size(self.phase_bytes(phase)):>10}{mark}")
+        if self.cache is not None:
+            lines.append(self.cache.summary())
+        if self.cache_error is not None:
+            lines.append(f"KV cache: {self.cache_error}")
+        short = self.peak_bytes - self.available.bytes
         lines.append(f"available: {self.available.describe()}; "
-                     + ("fits" if self.fits else
-                        f"short by {_size(self.peak_bytes - self.available.bytes)}"))
+                     + ("fits" if self.fits else f"short by {_size(short)}" if short > 0
+                        else "the KV cache does not fit"))
         return "\n".join(lines)
 
     def hint(self) -> str:
@@ -512,6 +568,8 @@ class MemoryPlan:
             "peak_gib": round(self.peak_bytes / GiB, 3),
             "available_gib": round(self.available.bytes / GiB, 3),
             "available_source": self.available.source,
+            "kv_cache_tokens": self.cache.tokens if self.cache is not None else None,
+            "kv_cache_error": self.cache_error,
             "fixes": [{"changes": f.changes, "peak_gib": round(f.peak_bytes / GiB, 3)}
                       for f in self.fixes],
         }
@@ -575,7 +633,7 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
         terms.append(Term("full fp32 copy before sharding", (p + adapters) * _FP32,
                           "transient", ("boot",)))
     terms.append(Term("AdamW moments (fp32" + (", sharded)" if sharded else ")"),
-                      per_rank(trainable * 2 * _FP32), "state", _TRAINING))
+                      per_rank(trainable * 2 * _FP32), "state", _TRAINING, steady=True))
     if job.kl_coef > 0 and not lora:
         terms.append(Term(f"KL reference ({'bf16' if compute == 2 else 'fp32'})",
                           per_rank(p * compute), "state", _ALL))
@@ -643,42 +701,102 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
     step_temp = per_rank(trainable * _FP32) if job.on_gpu else 2 * per_rank(largest) * _FP32
     terms.append(Term("AdamW step temporaries", step_temp, "transient", ("optimizer step",)))
 
-    terms += _generation_terms(job, shape, compute, backend)
-
     if job.on_gpu:
-        context = _CUDA_CONTEXT + (_NCCL_BUFFERS if sharded else 0)
-        tensors = max(sum(t.bytes for t in terms if ph in t.phases) for ph in PHASES)
-        terms.append(Term("CUDA context, NCCL and allocator slack",
-                          context + int(_GPU_ALLOCATOR_SLACK * tensors), "runtime", _ALL))
+        terms.append(Term("CUDA context" + (" and NCCL buffers" if sharded else ""),
+                          _CUDA_CONTEXT + (_NCCL_BUFFERS if sharded else 0), "runtime", _ALL))
     else:
-        above = max(sum(t.bytes for t in terms if ph in t.phases and t.kind != "model")
-                    for ph in PHASES)
-        terms.append(Term("torch runtime and allocator (CPU)",
-                          _CPU_RUNTIME + int(_CPU_ALLOCATOR_SLACK * above), "runtime", _ALL))
+        terms.append(Term("torch kernels and autograd (CPU, from the first update)",
+                          _CPU_RUNTIME, "runtime", _TRAINING, steady=True))
     plan = MemoryPlan(job=job, shape=shape, available=available, terms=terms,
                       micro_tokens=micro, chunk_positions=chunk)
+    _add_generation_terms(plan, compute, backend)
     if with_fixes and not plan.fits:
         plan.fixes = _fixes(job, shape, available, backend)
     return plan
 
 
-def _generation_terms(job: JobView, shape: ModelShape, compute: int,
-                      backend: BackendDefaults) -> list[Term]:
-    """While generating: the decoding pass of the generation thread (no KV cache yet).
+def _add_generation_terms(plan: MemoryPlan, compute: int, backend: BackendDefaults) -> None:
+    """While generating: the KV cache the engine's generator plans (`kv_cache.py`, the
+    same call with the same numbers) and transformers' working tensors around it.
 
-    The loop recomputes every prefix (`policy.sample_tokens`): one forward over up to
-    `max_generation_batch` rows of the longest sequence, keeping the model's logits for
-    every position in the compute dtype and the last position's in fp32.
+    GPU: the cache gets `gpu_memory_utilization` of the device minus what is allocated
+    when it is built (this plan's generation-phase tensors, the CUDA context, the slack);
+    where that cannot hold one request the plan does not fit, with kv_cache's message.
+    Where the cache fills that budget, transformers fits its working tensors into it too,
+    so the budget is the term. CPU: the cache kv_cache sizes within `cpu_kv_cache_mb`.
     """
-    rows = min(backend.max_generation_batch,
-               max(1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)))
-    tokens = rows * job.sample_tokens
-    h, i = shape.hidden_size, shape.intermediate_size
-    # per token at once: the residual, one layer's MLP (gate, up, their product) and q, k, v
-    activations = tokens * compute * (2 * h + 3 * i + shape.q_dim + 2 * shape.kv_dim)
-    logits = tokens * shape.vocab_size * compute + rows * shape.vocab_size * 3 * _FP32
-    return [Term(f"decoding pass ({rows} requests x {job.sample_tokens} tokens)",
-                 activations + logits, "transient", ("generation",))]
+    job, shape = plan.job, plan.shape
+    geometry = ModelGeometry(layers=shape.layers, kv_heads=shape.kv_heads,
+                             head_dim=shape.head_dim)
+    concurrency = generation_concurrency(backend.max_generation_batch,
+                                         episodes_in_flight(job, backend))
+    if job.on_gpu:
+        used = plan.phase_bytes("generation")  # before the cache: all of it is allocated
+        try:
+            cache = plan_gpu_cache(geometry, dtype_bytes=compute,
+                                   max_request_tokens=job.sample_tokens,
+                                   concurrency=concurrency, total_bytes=plan.available.bytes,
+                                   free_bytes=max(0, plan.available.bytes - used),
+                                   gpu_memory_utilization=job.gpu_memory_utilization)
+        except CacheTooSmall as exc:
+            plan.cache_error = str(exc)
+            plan.terms.append(Term("KV cache: one request, at least", 2 * job.sample_tokens
+                                   * geometry.kv_bytes_per_token(compute), "transient",
+                                   ("generation",)))
+            return
+    else:
+        cache = plan_cpu_cache(geometry, dtype_bytes=compute,
+                               max_request_tokens=job.sample_tokens, concurrency=concurrency,
+                               budget_mb=backend.cpu_kv_cache_mb,
+                               max_batch_tokens=backend.cpu_max_batch_tokens)
+    plan.cache = cache
+    if cache.num_blocks is None:  # transformers sizes cache + working tensors to the budget
+        plan.terms.append(Term(f"KV cache and decoding tensors (the rest of "
+                               f"gpu_memory_utilization={job.gpu_memory_utilization:g})",
+                               cache.budget_bytes, "transient", ("generation",)))
+        return
+    kv, working = paged_cache_footprint(shape, cache, dtype_bytes=compute)
+    plan.terms.append(Term(f"KV cache ({cache.tokens} tokens, pages of {cache.page_size})",
+                           kv, "transient", ("generation",)))
+    batch = cache.max_batch_tokens or _CB_DEFAULT_BATCH_TOKENS
+    plan.terms.append(Term(f"decoding pass ({batch}-token forwards: attention mask, "
+                           "keys and values read)", working, "transient", ("generation",)))
+    if not job.on_gpu:
+        plan.terms.append(Term("torch kernels for decoding (CPU)", _CPU_DECODING_RUNTIME,
+                               "runtime", ("generation",)))
+
+
+def paged_cache_footprint(shape: ModelShape, cache: CachePlan, *, dtype_bytes: int,
+                          flash_attention: bool = False) -> tuple[int, int]:
+    """(the KV cache tensor, the working tensors) transformers allocates for `cache`.
+
+    transformers' own account of its paged cache (`PagedAttentionMemoryHandler.
+    compute_memory_footprint`, transformers 5.x; test_memory_plan.py checks the two
+    agree): the cache tensor is whole sectors (a sector holds one page of every layer,
+    aligned to 128 bytes) plus two trash sectors; each forward pass of M batch tokens
+    over N readable cache tokens holds the attention mask [M, N + M] (not with flash
+    attention), the keys and values read back for every readable token (repeated to
+    every query head, with SDPA), the largest per-token activation (hidden states, the
+    query, the new keys and values and their repeated copies), the index tensors, and
+    one fp32 vocabulary row of logits per request (the model keeps only those logits).
+    """
+    a = dtype_bytes
+    h, hd = shape.hidden_size, shape.head_dim
+    page = cache.page_size
+    block = shape.layers * 2 * shape.kv_heads * hd * a * page  # one page of every layer
+    sector = math.lcm(block, 128)
+    tokens_per_sector = sector // block * page
+    sectors = max(1, math.ceil((cache.num_blocks or 1) * block / sector))
+    kv = (sectors + 2) * sector  # two trash sectors first
+    batch = cache.max_batch_tokens or _CB_DEFAULT_BATCH_TOKENS
+    readable = sectors * tokens_per_sector
+    heads_at_peak = 2 * shape.kv_heads if flash_attention else 2 * shape.heads + shape.kv_heads
+    attention_peak = a * (h + shape.heads * hd + 2 * shape.kv_heads * hd + heads_at_peak * hd)
+    per_batch_token = attention_peak + _CB_IO_BYTES_PER_TOKEN
+    per_cache_token = heads_at_peak * hd * a + 8  # the keys and values read, the read index
+    mask = 0 if flash_attention else a * batch * (readable + batch)
+    logits = cache.max_requests_per_batch * (h * a + shape.vocab_size * _FP32)
+    return kv, batch * per_batch_token + readable * per_cache_token + mask + logits
 
 
 def _fixes(job: JobView, shape: ModelShape, available: Available,

@@ -160,7 +160,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         # collection short (transformers collects whenever the generator rebuilds its
         # KV cache, once a step; without this each takes ~0.2 s here).
         gc.freeze()
-        local = _local_generator(cfg, policy)
+        local = build_generator(cfg, policy)
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
         if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     return 0
 
 
-def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
+def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     """This rank's generator: the backend `generation_backend` (or the env) names."""
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
@@ -218,13 +218,14 @@ def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
         raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
                          "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
     from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.kv_cache import generation_concurrency
 
     return ContinuousBatchingGenerator(
         model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
         max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
         seed=cfg.seed, cache=CacheSettings(
             max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
-            concurrency=max(1, min(cfg.max_generation_batch, cfg.max_in_flight)),
+            concurrency=generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,
             prefix_sharing=cfg.prefix_sharing))

@@ -173,12 +173,65 @@ def test_the_headline_job_is_refused_on_one_gpu_naming_8_gpus_and_lora() -> None
     # full fine-tuning alone needs ~16 bytes per parameter plus the bf16 copies
     assert one.peak_bytes > 16 * shape.parameters
 
+    # nor could the generator's KV cache hold one request next to that state
+    assert one.cache_error is not None and "gpu_memory_utilization=0.85" in one.cache_error
+
     eight = plan_memory(JobView.from_job(AgentJetJob(**HEADLINE, n_gpu=8)), shape, H100)
     assert eight.fits and eight.peak_bytes < 0.8 * H100.bytes and not eight.fixes
-    # FSDP2 shards the training state 8 ways; the bf16 inference copy stays whole
+    # FSDP2 shards the training state 8 ways; every rank's bf16 inference copy stays whole
     terms = {t.name: t.bytes for t in eight.terms}
     assert terms["AdamW moments (fp32, sharded)"] == 8 * shape.parameters // 8
     assert terms["generation copy (bf16)"] == 2 * shape.parameters
+    # the KV cache is the generator's own plan (kv_cache.py) for the 64 requests of a
+    # rank, 4096 tokens each, in what gpu_memory_utilization leaves on the GPU
+    assert eight.cache is not None and eight.cache.tokens == 64 * 4096
+    assert eight.cache.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2
+    assert terms[f"KV cache ({64 * 4096} tokens, pages of 256)"] >= 64 * 4096 * 57344
+    assert eight.phase_bytes("generation") <= 0.85 * H100.bytes
+
+
+def test_a_gpu_memory_utilization_too_small_for_the_kv_cache_is_refused() -> None:
+    shape = model_shape(str(QWEN_7B))
+    plan = plan_memory(JobView.from_job(AgentJetJob(**HEADLINE, n_gpu=8,
+                                                    gpu_memory_utilization=0.3)), shape, H100)
+    assert not plan.fits and plan.peak_bytes < H100.bytes  # the update fits; the cache not
+    assert "raise gpu_memory_utilization" in plan.render()
+    assert "the KV cache does not fit" in plan.render()
+
+
+def test_the_kv_cache_terms_are_what_the_engines_generator_allocates(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's cache is the generator's (same kv_cache.py plan), and its KV and
+    decoding terms are transformers' own footprint of that cache."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionMemoryHandler
+
+    from ajet.engine.runtime import build_generator
+
+    footprints: list[int] = []
+    measure = PagedAttentionMemoryHandler.compute_memory_footprint
+
+    def recorded(self: PagedAttentionMemoryHandler, *args: int) -> int:
+        footprints.append(measure(self, *args))
+        return footprints[-1]
+
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "compute_memory_footprint", recorded)
+    job = AgentJetJob(max_prompt_length=200, max_response_length=56)
+    cfg = engine_config_from_job(job, cuda_devices=0, cpu_count=1)
+    policy = load_policy(ensure_tiny_model(tmp_path, seed=0), device="cpu", dtype="float32",
+                         seed=0)
+    generator = build_generator(cfg, policy)
+    generator.start()
+    try:
+        tokens = generator.stats()["kv_cache_tokens"]
+    finally:
+        generator.stop()
+    plan = plan_memory(JobView.from_job(job), ModelShape.tiny(), H100)
+    assert plan.cache is not None and tokens == plan.cache.tokens == 32 * 256
+    cache_terms = [t.bytes for t in plan.terms
+                   if t.name.startswith(("KV cache", "decoding pass"))]
+    assert len(cache_terms) == 2 and footprints
+    assert abs(sum(cache_terms) - footprints[-1]) <= 0.02 * footprints[-1], (
+        cache_terms, footprints)
 
 
 def test_smaller_changes_are_offered_when_they_fit() -> None:
