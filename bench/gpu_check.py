@@ -174,10 +174,35 @@ def _samples(job: SimpleNamespace, vocab: int, step: int) -> list[Any]:
     return out
 
 
+def generate_all(generator: Any, prompts: list[list[int]], max_new: int, *,
+                 timeout_s: float) -> list[Any]:
+    """Submit every prompt at once to a started `Generator`; wait for all; the
+    `GenerationResult`s (raises `GPUCheckFailed` on a timeout or a failed request).
+    `bench/memory_plan_probe.py` generates its rollout with it too."""
+    from ajet.engine.inference import GenerationRequest, GenerationResult
+
+    done = threading.Semaphore(0)
+    results: list[GenerationResult | BaseException] = []
+
+    def finished(result: GenerationResult | BaseException) -> None:
+        results.append(result)
+        done.release()
+
+    for prompt in prompts:
+        generator.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new,
+                                           on_done=finished))
+    for _ in prompts:
+        if not done.acquire(timeout=timeout_s):
+            raise GPUCheckFailed(f"generation did not finish within {timeout_s:.0f} s")
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise GPUCheckFailed(f"generation failed: {errors[0]!r}") from errors[0]
+    return results
+
+
 def _generate(policy: Any, cfg: Any, prompts: list[list[int]], max_new: int
               ) -> tuple[int, float, list[float]]:
     """All prompts submitted at once to the engine's generator: (tokens, seconds, logprobs)."""
-    from ajet.engine.inference import GenerationRequest, GenerationResult
     from ajet.engine.runtime import build_generator
 
     # the engine's own generator: continuous batching over the paged KV cache, sized by
@@ -186,34 +211,18 @@ def _generate(policy: Any, cfg: Any, prompts: list[list[int]], max_new: int
     if type(service).__name__ != "ContinuousBatchingGenerator":
         raise GPUCheckFailed(f"the engine generates with {type(service).__name__}, not the "
                              "KV-cached continuous batching backend (AJET_ENGINE_GENERATION?)")
-    done = threading.Semaphore(0)
-    results: list[GenerationResult | BaseException] = []
-
-    def finished(result: GenerationResult | BaseException) -> None:
-        results.append(result)
-        done.release()
-
     service.start()
     started = time.perf_counter()
     try:
-        for prompt in prompts:
-            service.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new,
-                                             on_done=finished))
-        for _ in prompts:
-            if not done.acquire(timeout=240):
-                raise GPUCheckFailed("generation did not finish within 240 s")
+        results = generate_all(service, prompts, max_new, timeout_s=240)
         seconds = time.perf_counter() - started
-        tokens = service.stats().get("kv_cache_tokens")
-        say(f"  KV cache: {tokens or 'the rest of gpu_memory_utilization'} tokens, "
-            f"{service.stats().get('cache_rebuilds')} build(s)")
+        stats = service.stats()
+        say(f"  KV cache: {stats.get('kv_cache_tokens') or 'the rest of gpu_memory_utilization'}"
+            f" tokens, {stats.get('cache_rebuilds')} build(s)")
     finally:
         service.stop()
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise GPUCheckFailed(f"generation failed: {errors[0]!r}") from errors[0]
-    ok = [r for r in results if isinstance(r, GenerationResult)]
-    logprobs = [lp for r in ok for lp in r.logprobs]
-    return sum(len(r.response_ids) for r in ok), seconds, logprobs
+    logprobs = [lp for r in results for lp in r.logprobs]
+    return sum(len(r.response_ids) for r in results), seconds, logprobs
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,11 +41,6 @@ import torch  # noqa: E402
 
 from ajet.copilot.job import AgentJetJob  # noqa: E402
 from ajet.engine.config import engine_config_from_job  # noqa: E402
-from ajet.engine.inference import (  # noqa: E402
-    GenerationRequest,
-    GenerationResult,
-    Generator,
-)
 from ajet.engine.learner import Learner, TrainSample  # noqa: E402
 from ajet.engine.memory_plan import (  # noqa: E402
     JobView,
@@ -59,6 +53,7 @@ from ajet.engine.peak_memory import PeakMemory  # noqa: E402
 from ajet.engine.policy import load_policy  # noqa: E402
 from ajet.engine.runtime import build_generator  # noqa: E402
 from ajet.engine.tiny import ensure_tiny_model  # noqa: E402
+from bench.gpu_check import generate_all  # noqa: E402
 
 #: the jobs measured: ajet-tiny's default batch with the short episodes the examples run
 #: (the planner plans for the longest ones the job allows, so the samples are that long);
@@ -89,27 +84,6 @@ def _samples(job: AgentJetJob, vocab: int) -> list[TrainSample]:
         out.append(TrainSample(tuple(prompt), tuple(response), (-1.0,) * len(response),
                                1.0 - 2 * (i % 2), group=i // job.num_repeat))
     return out
-
-
-def _generate(inference: Generator, prompts: list[list[int]], max_new: int) -> int:
-    """Submit every prompt at once; wait for all; the number of tokens generated."""
-    done = threading.Semaphore(0)
-    results: list[GenerationResult | BaseException] = []
-
-    def finished(result: GenerationResult | BaseException) -> None:
-        results.append(result)
-        done.release()
-
-    for prompt in prompts:
-        inference.submit(GenerationRequest(prompt_ids=prompt, max_new_tokens=max_new,
-                                           on_done=finished))
-    for _ in prompts:
-        if not done.acquire(timeout=600):
-            raise TimeoutError("generation did not finish in 600 s")
-    errors = [r for r in results if isinstance(r, BaseException)]
-    if errors:
-        raise RuntimeError(f"generation failed: {errors[0]!r}")
-    return sum(len(r.response_ids) for r in results if isinstance(r, GenerationResult))
 
 
 def _setup(which: str, workdir: Path, *, quick: bool
@@ -157,7 +131,8 @@ def measure(which: str, phase: str, workdir: Path, *, quick: bool) -> dict[str, 
                    for _ in range(cfg.max_in_flight)]
         try:
             # each request as long as the job allows (the planner's worst case)
-            result["tokens"] = _generate(inference, prompts, job.max_response_length)
+            done = generate_all(inference, prompts, job.max_response_length, timeout_s=600)
+            result["tokens"] = sum(len(r.response_ids) for r in done)
         finally:
             inference.stop()
         result["requests"] = len(prompts)

@@ -109,6 +109,8 @@ _GPUS_PER_NODE = 8
 _NODE_COUNTS = (2, 4, 8, 16)
 #: LoRA rank suggested when a full fine-tuning job does not fit.
 _SUGGESTED_LORA_RANK = 16
+#: gpu_memory_utilization values suggested when the KV cache does not fit.
+_GPU_MEMORY_UTILIZATIONS = (0.5, 0.7, 0.85, 0.9, 0.95)
 #: Smallest micro-batch token budget suggested.
 _MIN_TOKEN_BUDGET = 1024
 
@@ -551,8 +553,11 @@ class MemoryPlan:
         if self.fits:
             return ""
         if not self.fixes:
-            return ("no single change of n_gpu, lora_rank, micro_batch_tokens or "
-                    "activation_checkpointing fits; use a smaller model or larger GPUs")
+            return ("no single change of n_gpu, lora_rank, micro_batch_tokens, "
+                    "activation_checkpointing or gpu_memory_utilization fits; use a smaller "
+                    "model or larger GPUs" + ("; for the KV cache: shorten max_prompt_length "
+                                              "or max_response_length"
+                                              if self.cache_error else ""))
         return "smallest changes that fit: " + "; ".join(f.text for f in self.fixes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -840,6 +845,14 @@ def _fixes(job: JobView, shape: ModelShape, available: Available,
         fix = attempt("activation_checkpointing: true", activation_checkpointing=True)
         if fix is not None:
             fixes.append(fix)
+    if job.on_gpu:  # the KV cache's budget: the smallest raise that holds the requests
+        for share in _GPU_MEMORY_UTILIZATIONS:
+            if share > job.gpu_memory_utilization:
+                fix = attempt(f"gpu_memory_utilization: {share:g}",
+                              gpu_memory_utilization=share)
+                if fix is not None:
+                    fixes.append(fix)
+                    break
     budget = job.micro_batch_tokens // 2
     while budget >= _MIN_TOKEN_BUDGET:
         fix = attempt(f"micro_batch_tokens: {budget}", micro_batch_tokens=budget)

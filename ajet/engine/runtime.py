@@ -205,7 +205,10 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
 
 
 def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
-    """This rank's generator: the backend `generation_backend` (or the env) names."""
+    """This rank's generator: the backend `generation_backend` (or the env) names.
+
+    `bench/gpu_check.py` and `bench/memory_plan_probe.py` generate with it too, and the
+    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`)."""
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
         from ajet.engine.recompute import RecomputeGenerator

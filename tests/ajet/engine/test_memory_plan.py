@@ -197,6 +197,7 @@ def test_a_gpu_memory_utilization_too_small_for_the_kv_cache_is_refused() -> Non
     assert not plan.fits and plan.peak_bytes < H100.bytes  # the update fits; the cache not
     assert "raise gpu_memory_utilization" in plan.render()
     assert "the KV cache does not fit" in plan.render()
+    assert {"gpu_memory_utilization": 0.5} in [f.changes for f in plan.fixes]
 
 
 def test_the_kv_cache_terms_are_what_the_engines_generator_allocates(
