@@ -18,12 +18,14 @@ engine allocates (docs/distributed.md, "How the planner counts"; checked on CPU 
                  without activation checkpointing), the log-prob chunk's vocabulary-wide
                  logits, bf16 weight casts (autocast on one GPU), FSDP2's gathered units
                  and unsharded gradients, AdamW's step temporaries, and while generating
-                 the KV cache and the decoding pass
-    runtime      CUDA context and allocator slack on GPUs; on CPU the pages torch's
-                 kernels and the allocator keep after the first update
+                 the KV cache (the generator's own plan: `kv_cache.py`, same call, same
+                 numbers) and transformers' decoding tensors around it
+    runtime      the CUDA context (and NCCL's buffers) on GPUs; on CPU the pages torch's
+                 kernels keep from the first update and the first decoding passes
 
 The peak is the largest of five phases (boot, forward, backward, optimizer step,
-generation), each the resident terms plus that phase's transients. The job fits when the peak is
+generation), each the resident terms plus that phase's transients plus the allocator's
+slack (`MemoryPlan.slack_share`). The job fits when the peak is
 within the memory available (`detect_available`): the visible GPUs' memory from
 `nvidia-smi`, else the job's `gpu_memory_gb`; for `n_gpu: 0` the host's memory shared
 by the node's processes. A plan that does not fit names the smallest changes that do.
