@@ -245,6 +245,19 @@ class Provenance(BaseModel):
     host: str | None = None
     created_at: float | None = None
     source: str = Field(default="manifest", description="manifest | zip")
+    withheld: bool = Field(
+        default=False, description="A worker-token view: `diff`, `untracked_left_out` and "
+        "`host` are withheld (workers never see code); `diff_bytes` and `untracked_count` "
+        "say how much there was")
+    diff_bytes: int | None = None
+    untracked_count: int | None = None
+
+    def for_worker(self) -> Provenance:
+        """What a worker-token holder may read: no diff, no file names, no host."""
+        return self.model_copy(update={
+            "diff": "", "untracked_left_out": [], "host": None, "withheld": True,
+            "diff_bytes": len(self.diff.encode("utf-8")),
+            "untracked_count": len(self.untracked_left_out)})
 
 
 class ManifestRequest(_Model):

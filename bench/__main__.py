@@ -31,6 +31,7 @@ from bench import (
     bench_episodes,
     bench_mcp,
     bench_restart,
+    bench_soak,
     bench_sync,
     bench_train_memory,
     bench_training,
@@ -51,6 +52,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "restart": bench_restart.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
+    "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

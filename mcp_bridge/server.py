@@ -270,11 +270,15 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         run_id: Annotated[str, Field(description="A run id, or 'current'.")] = "current",
         tail: Annotated[int, Field(ge=1, le=500, description="How many last lines.")] = 50,
         grep: Annotated[str | None, Field(
-            max_length=200, description="Only lines matching this regular expression, "
-                                        "e.g. 'Traceback|Error'.")] = None,
+            max_length=200, description="Only lines containing this text, e.g. "
+                                        "'Traceback'.")] = None,
+        regex: Annotated[bool, Field(
+            description="Treat grep as a regular expression (Python syntax), e.g. "
+                        "'Traceback|Error'; the server stops a search that takes too "
+                        "long.")] = False,
     ) -> LogsResult:
         """The last lines of a run's engine log (boot, steps, tracebacks), optionally filtered."""
-        return done(tools.read_logs(bridge, run_id=run_id, tail=tail, grep=grep))
+        return done(tools.read_logs(bridge, run_id=run_id, tail=tail, grep=grep, regex=regex))
 
     @mcp.tool(name=ToolName.LIST_RUNS.value, annotations=_READ_ONLY)
     def list_runs(

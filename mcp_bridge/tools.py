@@ -359,9 +359,11 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
 
 
 def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
-              grep: str | None = None) -> LogsResult:
-    """The last lines of a run's engine log, optionally only those matching `grep`."""
-    if grep:
+              grep: str | None = None, regex: bool = False) -> LogsResult:
+    """The last lines of a run's engine log, optionally only those containing `grep`
+    (plain text), or matching it with `regex=True`. Plain text by default: a pattern is
+    searched under a time budget on the server, and most searches need no pattern."""
+    if grep and regex:
         try:
             re.compile(grep)
         except re.error as exc:
@@ -370,7 +372,7 @@ def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
                              "pattern") from exc
     tail = max(1, min(tail, 500))
     with swarm_errors(f"call {ToolName.LIST_RUNS} for run ids"):
-        logs = bridge.client.get_run_logs(run_id, tail=tail, grep=grep or None, regex=True)
+        logs = bridge.client.get_run_logs(run_id, tail=tail, grep=grep or None, regex=regex)
     lines = [ln if len(ln) <= _LOG_LINE_CHARS else ln[:_LOG_LINE_CHARS] + " ...(cut)"
              for ln in logs.lines]
     kept: list[str] = []

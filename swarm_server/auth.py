@@ -1,23 +1,38 @@
-"""Bearer-token roles: `control` (everything but approving), `worker` (episodes and
-read-only routes) and named `approver`s (the approval routes, and the server-side review).
+"""Who may call what: bearer-token roles, and `Requirement`, a route's declared access rule.
 
-With no token configured the server is open (it then only binds loopback; see
-`Settings`). Tokens are compared in constant time. An approver token opens only the
-approval routes and the code-review routes; the control token never approves
-(DESIGN.md point 8). Episode API keys for `/v1/chat/completions` are a separate
-mechanism (`swarm_server.episode_keys`).
+Roles: `control` (everything but approving), `worker` (episodes and read-only routes) and
+named `approver`s (the approval routes, and the server-side review). With no token
+configured the server is open (it then only binds loopback; see `Settings`). Tokens are
+compared in constant time. An approver token opens only the approval routes and the
+code-review routes; the control token never approves (DESIGN.md point 8). Episode API
+keys for the `/v1/*` routes are a separate mechanism (`swarm_server.episode_keys`,
+checked by `swarm_server.limits`).
+
+A route declares who may call it exactly once, with its auth dependency
+(`deps.ControlAuth`, `deps.ApproverAuth`, ...), each an `Annotated` alias over a
+`Requirement` instance. FastAPI calls the requirement like any dependency;
+`swarm_server.limits` reads the same instance off the matched route and calls `check`
+before a byte of the body is read, so the two gates can never disagree. A new kind of
+caller is a `Requirement` subclass whose `check` reads its credential from the headers
+(the console's cookie session: `deps.ConsoleRequirement`; docs/internals.md, "Access").
 """
 
 from __future__ import annotations
 
 import hmac
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from fastapi import Header, Request
+from starlette.datastructures import Headers, State
 
 from swarm_server.errors import Forbidden, Unauthorized
 from swarm_server.settings import Settings
 
-__all__ = ["APPROVER_PREFIX", "Role", "approver_of", "bearer_token", "require_approver",
-           "require_control", "require_reader", "require_reviewer", "role_of"]
+__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "ReaderRequirement",
+           "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
+           "bearer_token", "require_approver", "require_control", "require_reader",
+           "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
@@ -127,3 +142,85 @@ def require_reviewer(settings: Settings, token: str | None) -> str:
     if name is not None:
         return APPROVER_PREFIX + name
     return require_control(settings, token)
+
+
+def authenticate(settings: Settings, headers: Headers) -> str:
+    """The first gate (`swarm_server.limits`, before routing): some credential is valid.
+
+    Every path but the open ones, the console's and the episode plane's needs at least
+    this, so an anonymous caller learns nothing (401, never 404 or 422). A new bearer
+    credential must be accepted here too.
+    """
+    token = bearer_token(headers.get("authorization"))
+    name = approver_of(settings, token)
+    if name is not None:  # the approval routes' own requirement decides the rest
+        return APPROVER_PREFIX + name
+    return require_reader(settings, token)
+
+
+def _token(headers: Headers) -> str | None:
+    return bearer_token(headers.get("authorization"))
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """A route's access rule: a FastAPI dependency that `swarm_server.limits` also reads.
+
+    Subclasses implement `check` from the app's state (`state.ctx` is the
+    `ServerContext`) and the request headers alone, no body and no route parameters,
+    because the middleware calls it before the body is read.
+    """
+
+    #: What the rule admits, for docs and the access walk (`tests/security`).
+    access: str
+
+    def check(self, state: State, headers: Headers) -> Any:
+        """The caller's role (or identity), or raise 401/403."""
+        raise NotImplementedError
+
+    # `async`: FastAPI runs a plain `def` dependency in its thread pool, a hop that costs
+    # about a millisecond on the episode plane's hot path. The `authorization` parameter
+    # only documents the header in the OpenAPI schema; `check` reads the headers itself.
+    async def __call__(self, request: Request,
+                       authorization: Annotated[str | None, Header()] = None) -> Any:
+        return self.check(request.app.state, request.headers)
+
+
+@dataclass(frozen=True)
+class ControlRequirement(Requirement):
+    """Code, config, engine lifecycle, audit: the control token only."""
+
+    access: str = "control"
+
+    def check(self, state: State, headers: Headers) -> Role:
+        return require_control(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class ReaderRequirement(Requirement):
+    """Read-only routes and the episode plane: the worker or the control token."""
+
+    access: str = "reader"
+
+    def check(self, state: State, headers: Headers) -> Role:
+        return require_reader(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class ApproverRequirement(Requirement):
+    """Approve, deny, revoke: a named approver token only; `check` returns the name."""
+
+    access: str = "approver"
+
+    def check(self, state: State, headers: Headers) -> str:
+        return require_approver(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class ReviewerRequirement(Requirement):
+    """Code to review: the control token or an approver's (`approver:<name>`)."""
+
+    access: str = "reviewer"
+
+    def check(self, state: State, headers: Headers) -> str:
+        return require_reviewer(state.ctx.settings, _token(headers))

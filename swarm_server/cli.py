@@ -86,6 +86,7 @@ def _start(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
+    from swarm_server.http_protocol import with_header_timeout
     from swarm_server.main import create_app
     from swarm_server.settings import Settings
 
@@ -106,6 +107,7 @@ def _start(args: argparse.Namespace) -> int:
     try:
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                     timeout_graceful_shutdown=30,
+                    http=with_header_timeout(settings.header_timeout_s),
                     h11_max_incomplete_event_size=settings.max_header_bytes)
     finally:
         if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):

@@ -249,6 +249,13 @@ class EngineController:
                 return self._run.run_id
             return None
 
+    def current_step(self) -> int | None:
+        """The serving engine's training step (updates done) at its last report, else None."""
+        with self._lock:
+            if self._run is not None and self._state in SERVING_STATES and self._run.report:
+                return self._run.report.step
+            return None
+
     def latest_run_id(self) -> str | None:
         """The run of the engine process if there is one, else the newest run ever."""
         with self._lock:

@@ -5,11 +5,23 @@ the engine serves (docs/internals.md, "Episode plane (server side)"):
 
 - `begin` asks the engine for an episode, signs a key for it (`episode_keys`) and
   records the episode in the gateway's own table (run id, expiry, ended flag);
-- `openai` (every `/v1/*` route: chat, completions, responses, models) verifies the key,
-  looks the episode up **by id in that table** (nothing else in the key is trusted),
-  refuses unknown, foreign-run and ended episodes with 401, and forwards the request with
-  `X-Episode-UUID`, streaming the answer back unchanged;
-- `end` / `abort` forward and mark the episode ended, so its key stops working.
+- `check_key` verifies a key and looks the episode up **by id in that table** (nothing
+  else in the key is trusted), refusing unknown, foreign-run and ended episodes with
+  401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read;
+- `openai` (every `/v1/*` route: chat, completions, responses, models) forwards the
+  request with `X-Episode-UUID`, streaming the answer back unchanged;
+- `end` / `abort` forward and mark the episode ended, so its key stops working. `end`
+  first refuses (422) a reward or `log_metrics` value that is not finite or is beyond
+  `max_reward_magnitude` / `max_metric_magnitude`: one reward of 1e308 used to overflow
+  the advantage computation and kill the run.
+
+The table is bounded (`max_gateway_episodes`). An entry that ended (or was aborted, or
+idled past the engine's timeout) is pruned once the engine's step has moved past the
+step of its last activity, i.e. once the batch it was collected for has been trained;
+entries of the current batch stay (the rollout-pool statistics read them). An id the
+table no longer knows, or knows as closed, is forwarded to the engine, which remembers
+closed episodes and answers 409 ("already ended", "timed out") or 404 itself. Pruning
+runs when the step changes or the table is full: amortised O(1) per call.
 
 One `httpx.AsyncClient` over the socket per engine run. Engine errors keep their
 status and `{"detail", "hint"}`; an engine that does not answer is a 409 (it is
@@ -21,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -45,6 +58,7 @@ from swarm_server.errors import (
     EngineStateError,
     NotFound,
     Unauthorized,
+    Unprocessable,
 )
 from swarm_server.settings import Settings
 
@@ -53,8 +67,9 @@ __all__ = ["EngineView", "EpisodeGateway"]
 log = logging.getLogger(__name__)
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
-#: How often expired entries are dropped from the table.
-_PRUNE_EVERY_S = 60.0
+#: `log_metrics` of one episode: at most this many keys of at most this many characters.
+MAX_LOG_METRICS = 256
+MAX_METRIC_NAME = 200
 
 
 class EngineView(Protocol):
@@ -66,6 +81,8 @@ class EngineView(Protocol):
     def engine_socket(self) -> Path | None: ...
 
     def current_run_id(self) -> str | None: ...
+
+    def current_step(self) -> int | None: ...
 
 
 class EngineRelayedError(ApiError):
@@ -80,8 +97,16 @@ class EngineRelayedError(ApiError):
 @dataclass
 class _Entry:
     run_id: str
-    expires_at: float
+    expires_at: float  # of its key (unix time)
+    timeout_s: float  # the engine's idle timeout for it
+    last_active: float  # monotonic time of its last begin, chat or end
+    step: int  # the engine's step at its last activity
     ended: bool = False
+
+    def closed(self, now: float) -> bool:
+        """Ended or aborted here, or idle so long that the engine has timed it out (twice
+        its timeout: the engine measures idleness from the end of a completion)."""
+        return self.ended or now - self.last_active > 2 * self.timeout_s
 
 
 class EpisodeGateway:
@@ -92,7 +117,7 @@ class EpisodeGateway:
         self._episodes: dict[str, _Entry] = {}
         self._client: httpx.AsyncClient | None = None
         self._client_for: tuple[str, Path] | None = None
-        self._last_prune = time.time()
+        self._pruned_at_step = 0
 
     async def aclose(self) -> None:
         if self._client is not None:
@@ -104,47 +129,54 @@ class EpisodeGateway:
     async def begin(self, body: BeginEpisodeRequest, *, public_base_url: str
                     ) -> BeginEpisodeResponse:
         run_id, client = await self._target("begin_episode")
+        self._make_room()
         data = await self._post_json(client, "/begin_episode", body.model_dump(mode="json"))
         episode_uuid = str(data["episode_uuid"])
         key, expires_at = self.signer.sign(run_id, episode_uuid)
-        self._episodes[episode_uuid] = _Entry(run_id=run_id, expires_at=expires_at)
-        self._prune()
+        timeout_s = data.get("timeout_s")
+        self._episodes[episode_uuid] = _Entry(
+            run_id=run_id, expires_at=expires_at, last_active=time.monotonic(),
+            timeout_s=float(timeout_s) if timeout_s else self.settings.episode_key_ttl_s,
+            step=self._step())
         return BeginEpisodeResponse(
             episode_uuid=episode_uuid, openai_base_url=f"{public_base_url.rstrip('/')}/v1",
             openai_api_key=key, run_id=run_id, timeout_s=data.get("timeout_s"))
 
     async def end(self, body: EndEpisodeRequest) -> EndEpisodeResponse:
-        entry = self._live_entry(body.episode_uuid, "end")
+        self._check_values(body)
+        entry = self._live_entry(body.episode_uuid)
         _, client = await self._target("end_episode")
         try:
             data = await self._post_json(client, "/end_episode", body.model_dump(mode="json"))
         except EngineRelayedError as exc:
             if exc.status in (404, 409):  # the engine closed it (timed out, aborted)
-                entry.ended = True
+                self._close(entry)
             raise
-        entry.ended = True
+        self._close(entry)
         return EndEpisodeResponse.model_validate(data)
 
     async def abort(self, body: AbortEpisodeRequest) -> dict[str, Any]:
-        entry = self._live_entry(body.episode_uuid, "abort")
+        entry = self._live_entry(body.episode_uuid)
         _, client = await self._target("abort_episode")
         try:
             data = await self._post_json(client, "/abort_episode", body.model_dump(mode="json"))
         except EngineRelayedError as exc:
             if exc.status in (404, 409):
-                entry.ended = True
+                self._close(entry)
             raise
-        entry.ended = True
+        self._close(entry)
         return data
 
     def authorize(self, key: str | None) -> str:
         """The episode a `/v1/*` key names, or 401 (for routes that forward nothing)."""
-        return self._authorize_key(key)
+        return self.check_key(key)
 
     async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None,
                      content_type: str | None) -> Response:
         """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names."""
-        episode_uuid = self._authorize_key(key)
+        episode_uuid = self.check_key(key)
+        entry = self._episodes[episode_uuid]
+        entry.last_active, entry.step = time.monotonic(), self._step()
         _, client = await self._target("chat")
         headers = {"X-Episode-UUID": episode_uuid}
         if body is not None:
@@ -166,13 +198,14 @@ class EpisodeGateway:
             raise self._unreachable("chat", exc) from exc
         finally:
             await response.aclose()
+        entry.last_active = time.monotonic()
         if response.status_code == 200:
             return Response(content, status_code=200, media_type="application/json")
         detail, _, _ = _error_parts(content)
         if response.status_code == 404 and path.startswith("/v1/models/"):
             raise self._relay(404, content, response.headers)  # an unknown model name
         if response.status_code in (404, 409):  # the episode closed in the engine
-            self._episodes[episode_uuid].ended = True
+            entry.ended = True
             raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",
                                "call begin_episode for a new episode and use its key",
                                headers=_CHALLENGE)
@@ -202,9 +235,8 @@ class EpisodeGateway:
         data = response.json()
         return data if isinstance(data, dict) else None
 
-    # ------------------------------------------------------------------ private
-
-    def _authorize_key(self, key: str | None) -> str:
+    def check_key(self, key: str | None) -> str:
+        """The episode id of a genuine key of a live episode of the serving run, else 401."""
         if not key:
             raise Unauthorized("missing episode key",
                                "use the openai_api_key returned by begin_episode as the API key",
@@ -229,19 +261,54 @@ class EpisodeGateway:
                                "call begin_episode for a new episode", headers=_CHALLENGE)
         return claims.episode_uuid
 
-    def _live_entry(self, episode_uuid: str, action: str) -> _Entry:
+    def table_size(self) -> int:
+        """Entries in the table (live, and closed ones not pruned yet)."""
+        return len(self._episodes)
+
+    # ------------------------------------------------------------------ private
+
+    def _check_values(self, body: EndEpisodeRequest) -> None:
+        """422 for a reward or metric value the training could not use."""
+        problems: list[dict[str, Any]] = []
+
+        def check(loc: list[str], value: float, limit: float, setting: str) -> None:
+            if not math.isfinite(value) or abs(value) > limit:
+                problems.append({"loc": loc, "type": "value_error", "msg": (
+                    f"{value!r} is not finite or beyond the server's limit of ±{limit:g} "
+                    f"({setting})")})
+
+        settings = self.settings
+        check(["body", "reward"], body.reward, settings.max_reward_magnitude,
+              "AJET_SWARM_MAX_REWARD_MAGNITUDE")
+        if len(body.log_metrics) > MAX_LOG_METRICS:
+            problems.append({"loc": ["body", "log_metrics"], "type": "value_error",
+                             "msg": f"{len(body.log_metrics)} log_metrics; at most "
+                                    f"{MAX_LOG_METRICS} per episode"})
+        for name, value in list(body.log_metrics.items())[:MAX_LOG_METRICS]:
+            if len(name) > MAX_METRIC_NAME:
+                problems.append({"loc": ["body", "log_metrics"], "type": "value_error",
+                                 "msg": f"log_metrics name of {len(name)} characters; at "
+                                        f"most {MAX_METRIC_NAME}"})
+            check(["body", "log_metrics", name[:MAX_METRIC_NAME]], value,
+                  settings.max_metric_magnitude, "AJET_SWARM_MAX_METRIC_MAGNITUDE")
+        if problems:
+            raise Unprocessable(problems, "send finite values within the limits "
+                                          "(docs/limits.md); scale the reward, or ask the "
+                                          "server's operator to raise the limit")
+
+    def _live_entry(self, episode_uuid: str) -> _Entry | None:
+        """The episode's entry if it belongs to the serving run; None if the table does not
+        know it (pruned once its batch was trained, or never issued). An unknown or closed
+        episode is still forwarded: the engine remembers why it closed (ended, aborted,
+        timed out) and answers 409 or 404 with that reason itself."""
         entry = self._episodes.get(episode_uuid)
         if entry is None:
-            raise NotFound(f"unknown episode {episode_uuid!r}",
-                           "pass the episode_uuid that begin_episode returned")
+            return None
         current = self.engine.current_run_id()
         if entry.run_id != current:
             raise NotFound(
                 f"episode {episode_uuid} belongs to engine run {entry.run_id}; the engine now "
                 f"runs {current or 'nothing'}", "its reward cannot be used; begin a new episode")
-        if entry.ended:
-            raise EngineRelayedError(409, f"cannot {action} episode {episode_uuid}: it has "
-                                          "already ended", "call begin_episode for a new episode")
         return entry
 
     async def _target(self, action: str) -> tuple[str, httpx.AsyncClient]:
@@ -262,6 +329,7 @@ class EpisodeGateway:
             self._client_for = (run_id, socket_path)
             # entries of earlier runs can never be used again
             self._episodes = {k: e for k, e in self._episodes.items() if e.run_id == run_id}
+            self._pruned_at_step = 0
         return run_id, self._client
 
     async def _post_json(self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]
@@ -295,12 +363,37 @@ class EpisodeGateway:
             "check get_engine_status; retry once the engine is ENGINE.ROLLING",
             headers={"Retry-After": "1"})
 
-    def _prune(self) -> None:
-        now = time.time()
-        if now - self._last_prune < _PRUNE_EVERY_S:
+    def _step(self) -> int:
+        step = self.engine.current_step() or 0
+        if step > self._pruned_at_step:
+            self._pruned_at_step = step
+            self._prune(step)
+        return step
+
+    def _close(self, entry: _Entry | None) -> None:
+        if entry is not None:
+            entry.ended, entry.last_active, entry.step = True, time.monotonic(), self._step()
+
+    def _prune(self, step: int) -> None:
+        """Drop closed entries whose batch was trained, and entries whose key expired."""
+        now, wall = time.monotonic(), time.time()
+        self._episodes = {k: e for k, e in self._episodes.items()
+                          if not ((e.step < step and e.closed(now)) or e.expires_at <= wall)}
+
+    def _make_room(self) -> None:
+        """Keep the table under `max_gateway_episodes` before a begin adds to it."""
+        limit = self.settings.max_gateway_episodes
+        if len(self._episodes) < limit:
             return
-        self._last_prune = now
-        self._episodes = {k: e for k, e in self._episodes.items() if e.expires_at > now}
+        self._prune(self._step() + 1)  # full: closed entries go even from this batch
+        if len(self._episodes) < limit:
+            log.warning("episode gateway table full (%d): dropped closed entries of the "
+                        "current batch", limit)
+            return
+        raise EngineStateError(
+            f"the episode gateway tracks {len(self._episodes)} live episodes, its limit",
+            "end or abort episodes, retry in about 1 s, or raise "
+            "AJET_SWARM_MAX_GATEWAY_EPISODES", headers={"Retry-After": "1"})
 
 
 def _error_parts(content: bytes) -> tuple[Any, str, str | None]:

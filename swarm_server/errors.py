@@ -5,10 +5,17 @@
     ├── Unauthorized        401
     ├── Forbidden           403
     ├── NotFound            404
+    ├── RequestTimeout      408  (a request body stalled)
     ├── EngineStateError    409  (wrong engine state: the hint says what to call)
     │   └── ApprovalRequired 409 (the snapshot is not approved: `detail` says where)
     ├── PayloadTooLarge     413
-    └── Unprocessable       422  (validation: `detail` names the fields)
+    ├── Unprocessable       422  (validation: `detail` names the fields)
+    └── HeadersTooLarge     431
+
+`EarlyRefusal` carries an `ApiError` out of an ASGI `receive` (`swarm_server.limits`):
+FastAPI passes an HTTPException met while reading a body through unchanged and turns
+anything else into a generic 400, so the refusal travels as one and is rendered here
+like the error it wraps (OpenAI-shaped under `/v1/`).
 
 Anything else raised in a handler becomes a 500 with a generic body and a logged
 traceback; tests treat any 5xx as a bug.
@@ -32,10 +39,13 @@ __all__ = [
     "ApiError",
     "ApprovalRequired",
     "BadRequest",
+    "EarlyRefusal",
     "EngineStateError",
     "Forbidden",
+    "HeadersTooLarge",
     "NotFound",
     "PayloadTooLarge",
+    "RequestTimeout",
     "Unauthorized",
     "Unprocessable",
     "install_error_handlers",
@@ -103,6 +113,10 @@ class NotFound(ApiError):
     status = 404
 
 
+class RequestTimeout(ApiError):
+    status = 408
+
+
 class EngineStateError(ApiError):
     status = 409
 
@@ -121,11 +135,29 @@ class Unprocessable(ApiError):
     status = 422
 
 
+class HeadersTooLarge(ApiError):
+    status = 431
+
+
+class EarlyRefusal(StarletteHTTPException):
+    """An `ApiError` raised from inside `receive`; see the module docstring."""
+
+    def __init__(self, error: ApiError, *, openai: bool = False) -> None:
+        super().__init__(error.status, detail=str(error.detail), headers=error.headers)
+        self.error = error
+        self.openai = openai
+
+
+def _render(exc: ApiError, *, openai: bool = False) -> JSONResponse:
+    body = (openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param) if openai
+            else {"detail": exc.detail, "hint": exc.hint})
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail, "hint": exc.hint}, status_code=exc.status,
-                            headers=exc.headers)
+        return _render(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -142,6 +174,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if isinstance(exc, EarlyRefusal):
+            return _render(exc.error, openai=exc.openai)
         hint = "see /docs for the routes" if exc.status_code in (404, 405) else ""
         return JSONResponse({"detail": exc.detail, "hint": hint}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

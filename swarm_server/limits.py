@@ -1,68 +1,83 @@
-"""`LimitsMiddleware`: what every request must pass before a route sees it.
+"""`LimitsMiddleware`: what every request must pass before a route sees its body.
 
-A pure ASGI middleware, outermost but for Starlette's error handler, so its refusals
-happen before FastAPI parses anything:
+A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
+
+**At the headers, before routing:**
 
 1. **Header size** (`max_header_bytes`, 431). uvicorn's h11 parser enforces the same
-   bound while reading (`swarm_server.cli`); this check holds whatever HTTP parser runs.
-2. **Auth first** (401/403). The bearer token is checked from the headers alone, so a
-   request with no token gets 401 whatever its body holds (FastAPI would otherwise
-   answer a malformed body with 422 before the route's auth dependency ran). Every
-   path needs a token (reader at least, including `/docs`, `/redoc`, `/openapi.json`
-   and unknown paths) except `OPEN_PATHS`: `/health`; every path under
-   `EPISODE_KEY_PREFIX` (`/v1/`: chat, completions, responses, models), which is
-   authenticated by the signed episode key in its route; and the web console
-   under `CONSOLE_PREFIX` (`/ui`), whose pages check their cookie session in one
-   dependency (`deps.ConsoleAuth`; sign-in and the style sheets need none). A route that depends
-   on `ControlAuth`, `ApproverAuth` or `ReviewerAuth` needs that token here too
-   (`deps.ROLE_CHECKS`). The route's own dependency still
-   runs: this is a second, earlier gate, and a route that forgot its dependency is
-   still closed to anyone without a token.
-3. **Body size** (`max_json_bytes`, 413). Every route except `STREAMED_PATHS` takes a
-   JSON body, read here whole up to the cap (a declared Content-Length over the cap is
-   refused before reading). The two upload routes stream to disk and enforce their own
-   caps (`max_upload_bytes`, `max_file_bytes`, ...) as bytes arrive.
-4. **JSON encoding and depth** (400), on the buffered body, before any parser sees it:
-   a body that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`.
-5. **Body idle timeout** (`request_body_timeout_s`). A client that stops sending in the
-   middle of a body gets 408 on JSON routes; on the upload routes the stall reads as a
-   disconnect, so the route refuses the upload and removes its temp files.
+   bound while reading, and `swarm_server.http_protocol` closes a connection whose
+   headers do not arrive within `header_timeout_s`; this check holds whatever parser runs.
+2. **A credential** (401). Every path needs one except `OPEN_PATHS` (`/health`) and
+   the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
+   session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
+   `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
+   (`EpisodeGateway.check_key`), everywhere else a token `auth.authenticate` accepts
+   (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
+   caller gets nothing parsed, buffered or routed.
 
-Refusals are `{"detail", "hint"}` bodies like every other error (`swarm_server.errors`),
-with OpenAI's `error` object as well under `/v1/`; `LIMIT_RESPONSES` documents them on
-every operation of the OpenAPI schema.
+**At the body, after routing, before its first byte is read** (the first `receive`):
+
+3. **The route's requirement** (401/403): the `auth.Requirement` instances the matched
+   route declares as dependencies (`deps.ControlAuth`, ...) are read off the route
+   (`scope["route"]`, set by FastAPI's router) and checked from the headers. FastAPI
+   reads a body before it solves dependencies, so without this a worker's malformed
+   body to a control route was a 422 and its 15 MiB manifest was parsed before the
+   403. A route outside `/v1/` and `/ui` that declares none needs the control token
+   (fail closed).
+4. **The route's body bound** (413): `BodyLimit` declared on the route, else
+   `max_json_bytes`; a declared Content-Length over it is refused unread, a chunked body
+   as soon as it passes. `STREAMED_BODY` routes (the two uploads) stream to disk under
+   their own caps instead.
+5. **JSON encoding and depth** (400), on the buffered body, before any parser: a body
+   that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`.
+6. **Body idle timeout** (`request_body_timeout_s`). A client that stops sending in the
+   middle of a body gets 408; on a streamed route the stall reads as a disconnect, so
+   the route refuses the upload and removes its temp files.
+
+The first gate answers itself. The second raises `errors.EarlyRefusal` out of
+`receive`, which FastAPI passes through from its body reading (anything else would
+become a generic 400), and the app's error handler renders it. Refusals are
+`{"detail", "hint"}` bodies like every other error, OpenAI-shaped under `/v1/`;
+`LIMIT_RESPONSES` documents them on every operation of the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi.routing import APIRoute, iter_route_contexts
 from fastapi.responses import JSONResponse
-from starlette.routing import BaseRoute, Match
+from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import bearer_token, require_reader
-from swarm_server.deps import ROLE_CHECKS
-from swarm_server.errors import ApiError, PayloadTooLarge, openai_error_body
-from swarm_server.settings import Settings
+from swarm_server.auth import ControlRequirement, Requirement, authenticate, bearer_token
+from swarm_server.errors import (
+    ApiError,
+    BadRequest,
+    EarlyRefusal,
+    HeadersTooLarge,
+    PayloadTooLarge,
+    RequestTimeout,
+    openai_error_body,
+)
 
-__all__ = ["CONSOLE_PREFIX", "EPISODE_KEY_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS",
-           "STREAMED_PATHS", "LimitsMiddleware", "json_too_deep"]
+if TYPE_CHECKING:
+    from swarm_server.context import ServerContext
 
-#: Paths that need no bearer token.
+__all__ = ["CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_BODY",
+           "BodyLimit", "LimitsMiddleware", "json_too_deep"]
+
+#: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
-#: The OpenAI-compatible routes: they carry a signed episode key instead of a token.
-EPISODE_KEY_PREFIX = "/v1/"
+#: The OpenAI-compatible episode plane: a signed episode key, never a bearer token.
+EPISODE_PREFIX = "/v1/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
-#: Upload routes that stream their body to disk under their own caps.
-STREAMED_PATHS = frozenset({"/sync_train_code", "/code/blobs"})
 
 #: The refusals of this middleware, for the OpenAPI schema of every operation (a route's
 #: own description of the same status wins).
@@ -74,13 +89,12 @@ LIMIT_RESPONSES: dict[int | str, dict[str, Any]] = {
     431: {"model": ErrorBody, "description": "Request headers over max_header_bytes"},
 }
 
-#: A token check: the settings and the bearer token -> the role, or raises 401/403.
-_Check = Callable[[Settings, "str | None"], str]
 # One JSON string, escapes included (unrolled loop: linear, no backtracking blow-up).
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 # A container holding no container: one nesting level, removed per pass.
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _OPENERS = re.compile(rb"[\[{]")
+_FAIL_CLOSED = ControlRequirement()
 
 
 def json_too_deep(body: bytes, limit: int) -> bool:
@@ -101,81 +115,78 @@ def json_too_deep(body: bytes, limit: int) -> bool:
 
 
 @dataclass(frozen=True)
+class BodyLimit:
+    """A route's body rule, declared as a dependency and read by the middleware.
+
+        @router.post("/end_episode", dependencies=[Depends(BodyLimit.setting(
+            "max_episode_body_bytes"))])
+
+    `bound(ctx)` is the route's byte bound (default `max_json_bytes`); it may depend on
+    the server's state (a bound derived from the running job). `streamed` routes read
+    their body themselves under their own caps (uploads): nothing is buffered for them.
+    """
+
+    bound: Callable[[ServerContext], int] | None = None
+    streamed: bool = False
+    #: Named in the 413's hint: where the bound is raised.
+    knob: str = "AJET_SWARM_MAX_JSON_BYTES"
+
+    @classmethod
+    def setting(cls, name: str) -> BodyLimit:
+        """The bound is the `Settings` field `name`."""
+        return cls(bound=operator.attrgetter(f"settings.{name}"),
+                   knob=f"AJET_SWARM_{name.upper()}")
+
+    async def __call__(self) -> None:  # a declaration: FastAPI has nothing to do
+        return None
+
+
+#: The upload routes: they stream their body to disk and enforce their own caps.
+STREAMED_BODY = BodyLimit(streamed=True)
+_DEFAULT_BODY = BodyLimit()
+
+
+@dataclass(frozen=True)
+class _RouteRules:
+    requirements: tuple[Requirement, ...]
+    body: BodyLimit
+
+
+@dataclass(frozen=True)
 class _Refusal:
-    status: int
-    detail: str
-    hint: str
-    headers: dict[str, str] | None = None
+    error: ApiError
+    openai: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body: dict[str, Any] = {"detail": self.detail, "hint": self.hint}
-        if scope["path"].startswith(EPISODE_KEY_PREFIX):
-            body = openai_error_body(self.status, self.detail, self.hint)
-        response = JSONResponse(body, status_code=self.status, headers=self.headers)
+        error = self.error
+        body = (openai_error_body(error.status, error.detail, error.hint, param=error.param)
+                if self.openai else {"detail": error.detail, "hint": error.hint})
+        response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
         await response(scope, receive, send)
 
 
-class _BodyTimeout(Exception):
-    """No body bytes arrived within `request_body_timeout_s`."""
-
-
-class _Disconnected(Exception):
-    """The client went away before its body was complete: nobody to answer."""
-
-
-_PATH_CACHE_SIZE = 4096
-
-
 class LimitsMiddleware:
-    """See the module docstring. `routes` are the app's routes (to find control routes)."""
+    """See the module docstring."""
 
-    def __init__(self, app: ASGIApp, *, settings: Settings, routes: Sequence[BaseRoute]
-                 ) -> None:
+    def __init__(self, app: ASGIApp, *, ctx: ServerContext) -> None:
         self.app = app
-        self.settings = settings
-        self._routes = routes
-        # (method, path) -> the token check its route needs; the route table never
-        # changes, and a linear scan of every route's regex costs more than the rest of
-        # this gate. Bounded, because paths with ids (`/runs/{id}`) are unbounded in number.
-        self._check_by_path: dict[tuple[str, str], _Check] = {}
+        self.ctx = ctx
+        self.settings = ctx.settings
+        # route object id -> its rules; routes never change after start-up, and there are
+        # few of them (ids, not paths: `/runs/{id}` matches unboundedly many paths)
+        self._rules: dict[int, _RouteRules] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._header_refusal(scope) or self._auth_refusal(scope)
+        refusal = self._header_refusal(scope) or self._credential_refusal(scope)
         if refusal is not None:
             await refusal.send(scope, receive, send)
             return
-        if scope["path"] in STREAMED_PATHS:
-            await self.app(scope, self._idle_limited(receive), send)
-            return
-        try:
-            body = await self._read_json_body(scope, receive)
-        except ApiError as exc:
-            await _Refusal(exc.status, str(exc.detail), exc.hint).send(scope, receive, send)
-            return
-        except _Disconnected:
-            return
-        except _BodyTimeout:
-            wait = self.settings.request_body_timeout_s
-            await _Refusal(408, f"no request body bytes for {wait:g} s; the request was dropped",
-                           "send the whole body without pausing",
-                           {"Connection": "close"}).send(scope, receive, send)
-            return
-        if body and not _is_utf8(body):
-            await _Refusal(400, "request body is not UTF-8 text",
-                           "send JSON encoded as UTF-8 with Content-Type: application/json"
-                           ).send(scope, receive, send)
-            return
-        if body and json_too_deep(body, self.settings.max_json_depth):
-            await _Refusal(400, f"JSON nested deeper than {self.settings.max_json_depth} levels",
-                           "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server"
-                           ).send(scope, receive, send)
-            return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, self._gated(scope, receive), send)
 
-    # ------------------------------------------------------------------ checks
+    # ------------------------------------------------------------------ first gate
 
     def _header_refusal(self, scope: Scope) -> _Refusal | None:
         limit = self.settings.max_header_bytes
@@ -183,75 +194,117 @@ class LimitsMiddleware:
         size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # ": " and CRLF
         if size <= limit:
             return None
-        return _Refusal(431, f"request headers of {size} bytes are over the server's "
-                             f"{limit}-byte limit",
-                        "send fewer or shorter headers, or raise AJET_SWARM_MAX_HEADER_BYTES",
-                        {"Connection": "close"})
+        return _Refusal(HeadersTooLarge(
+            f"request headers of {size} bytes are over the server's {limit}-byte limit",
+            "send fewer or shorter headers, or raise AJET_SWARM_MAX_HEADER_BYTES",
+            headers={"Connection": "close"}))
 
-    def _auth_refusal(self, scope: Scope) -> _Refusal | None:
-        path = scope["path"]
-        if path in OPEN_PATHS or path.startswith(EPISODE_KEY_PREFIX) or path == CONSOLE_PREFIX \
-                or path.startswith(CONSOLE_PREFIX + "/"):
+    def _credential_refusal(self, scope: Scope) -> _Refusal | None:
+        path: str = scope["path"]
+        if path in OPEN_PATHS or _is_console(path):
             return None
-        token = bearer_token(_header(scope, b"authorization"))
+        headers = Headers(scope=scope)
         try:
-            self._authorize(scope, token)
+            if path.startswith(EPISODE_PREFIX):
+                self.ctx.episodes.check_key(bearer_token(headers.get("authorization")))
+            else:
+                authenticate(self.settings, headers)
         except ApiError as exc:
-            return _Refusal(exc.status, str(exc.detail), exc.hint, exc.headers)
+            return _Refusal(exc, openai=path.startswith(EPISODE_PREFIX))
         return None
 
-    def _authorize(self, scope: Scope, token: str | None) -> str:
-        return self._check(scope)(self.settings, token)
+    # ------------------------------------------------------------------ second gate
 
-    def _check(self, scope: Scope) -> _Check:
-        key = (scope.get("method", ""), scope["path"])
-        known = self._check_by_path.get(key)
-        if known is None:
-            known = self._route_check(scope)
-            if len(self._check_by_path) >= _PATH_CACHE_SIZE:
-                self._check_by_path.clear()
-            self._check_by_path[key] = known
-        return known
+    def _gated(self, scope: Scope, receive: Receive) -> Receive:
+        """`receive` whose first call checks the route's rules and buffers the body."""
+        state: dict[str, Any] = {"first": True, "replay": None, "stream": None}
 
-    def _route_check(self, scope: Scope) -> _Check:
-        # iter_route_contexts flattens included routers (FastAPI keeps them nested), so
-        # each route is matched with its full path and read for its own dependencies. A
-        # FULL match wins; else the first PARTIAL one (wrong method: the route answers 405
-        # to an authorised caller), like the router itself.
-        partial: _Check | None = None
-        for context in iter_route_contexts(self._routes):
-            match, _ = context.matches(scope)
-            if match is Match.FULL:
-                return _check_of(context.original_route)
-            if match is Match.PARTIAL and partial is None:
-                partial = _check_of(context.original_route)
-        return partial or require_reader
+        async def wrapped() -> Message:
+            if state["first"]:
+                state["first"] = False
+                rules = self._rules_for(scope)
+                openai = scope["path"].startswith(EPISODE_PREFIX)
+                try:
+                    self._check_requirements(scope, rules)
+                    if rules.body.streamed:
+                        state["stream"] = self._idle_limited(receive)
+                    else:
+                        body = await self._read_body(scope, receive, rules.body)
+                        if body is None:
+                            return {"type": "http.disconnect"}
+                        self._check_json(body)
+                        return {"type": "http.request", "body": body, "more_body": False}
+                except ApiError as exc:
+                    raise EarlyRefusal(exc, openai=openai) from None
+            if state["stream"] is not None:
+                message: Message = await state["stream"]()
+                return message
+            return await receive()
 
-    async def _read_json_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.settings.max_json_bytes
-        declared = _header(scope, b"content-length")
+        return wrapped
+
+    def _rules_for(self, scope: Scope) -> _RouteRules:
+        route = scope.get("route")
+        if route is None:
+            return _RouteRules((), _DEFAULT_BODY)
+        rules = self._rules.get(id(route))
+        if rules is None:
+            requirements: list[Requirement] = []
+            bodies: list[BodyLimit] = []
+            _collect(getattr(route, "dependant", None), requirements, bodies)
+            rules = _RouteRules(tuple(dict.fromkeys(requirements)),
+                                bodies[0] if bodies else _DEFAULT_BODY)
+            self._rules[id(route)] = rules
+        return rules
+
+    def _check_requirements(self, scope: Scope, rules: _RouteRules) -> None:
+        requirements = rules.requirements
+        if not requirements:
+            path = scope["path"]
+            if path.startswith(EPISODE_PREFIX) or _is_console(path):
+                return  # the episode key was checked at the first gate; sign-in is open
+            requirements = (_FAIL_CLOSED,)
+        headers = Headers(scope=scope)
+        for requirement in requirements:
+            requirement.check(scope["app"].state, headers)
+
+    async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit
+                         ) -> bytes | None:
+        """The whole body under the route's bound; None if the client went away."""
+        limit = rule.bound(self.ctx) if rule.bound is not None else self.settings.max_json_bytes
+        declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise _too_large(int(declared), limit)
+            raise _too_large(int(declared), limit, rule.knob)
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await self._next(receive)
             if message["type"] != "http.request":
-                raise _Disconnected
+                return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                raise _too_large(size, limit)
+                raise _too_large(size, limit, rule.knob)
             chunks.append(chunk)
             if not message.get("more_body", False):
-                break
-        return b"".join(chunks)
+                return b"".join(chunks)
+
+    def _check_json(self, body: bytes) -> None:
+        if body and not _is_utf8(body):
+            raise BadRequest("request body is not UTF-8 text",
+                             "send JSON encoded as UTF-8 with Content-Type: application/json")
+        if body and json_too_deep(body, self.settings.max_json_depth):
+            raise BadRequest(f"JSON nested deeper than {self.settings.max_json_depth} levels",
+                             "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
 
     async def _next(self, receive: Receive) -> Message:
+        wait = self.settings.request_body_timeout_s
         try:
-            return await asyncio.wait_for(receive(), self.settings.request_body_timeout_s)
+            return await asyncio.wait_for(receive(), wait)
         except asyncio.TimeoutError as exc:
-            raise _BodyTimeout from exc
+            raise RequestTimeout(f"no request body bytes for {wait:g} s; the request was "
+                                 "dropped", "send the whole body without pausing",
+                                 headers={"Connection": "close"}) from exc
 
     def _idle_limited(self, receive: Receive) -> Receive:
         """`receive` for a streamed upload: a stalled body reads as a disconnect."""
@@ -263,7 +316,7 @@ class LimitsMiddleware:
                 return await receive()
             try:
                 message = await self._next(receive)
-            except _BodyTimeout:
+            except RequestTimeout:
                 done = True
                 return {"type": "http.disconnect"}
             if message["type"] != "http.request" or not message.get("more_body", False):
@@ -273,28 +326,20 @@ class LimitsMiddleware:
         return wrapped
 
 
-def _check_of(route: BaseRoute) -> _Check:
-    """The token check of a route's auth dependency (`deps.ROLE_CHECKS`); reader if none."""
-    if isinstance(route, APIRoute):
-        for dep in route.dependant.dependencies:
-            check = ROLE_CHECKS.get(dep.call)  # type: ignore[arg-type]
-            if check is not None:
-                return check
-    return require_reader
+def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit]) -> None:
+    """The `Requirement`s and `BodyLimit`s among a route's dependencies, nested ones too."""
+    if dependant is None:
+        return
+    for dep in dependant.dependencies:
+        if isinstance(dep.call, Requirement):
+            requirements.append(dep.call)
+        elif isinstance(dep.call, BodyLimit):
+            bodies.append(dep.call)
+        _collect(dep, requirements, bodies)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A `receive` that yields the buffered body once, then defers to the real one."""
-    sent = False
-
-    async def wrapped() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return wrapped
+def _is_console(path: str) -> bool:
+    return path == CONSOLE_PREFIX or path.startswith(CONSOLE_PREFIX + "/")
 
 
 def _is_utf8(body: bytes) -> bool:
@@ -305,14 +350,7 @@ def _is_utf8(body: bytes) -> bool:
     return True
 
 
-def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
-        if key == name:
-            return value.decode("latin-1")
-    return None
-
-
-def _too_large(size: int, limit: int) -> ApiError:
+def _too_large(size: int, limit: int, knob: str) -> ApiError:
     return PayloadTooLarge(f"request body of {size} bytes is over the server's {limit}-byte "
-                           "limit for JSON routes",
-                           "send less (page through it), or raise AJET_SWARM_MAX_JSON_BYTES")
+                           "limit for this route", f"send less (page through it), or raise "
+                           f"{knob}", headers={"Connection": "close"})

@@ -24,12 +24,13 @@ from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
-from swarm_server.routes import approvals, code, control, episodes, original, runs
+from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
 from swarm_server.server_code import ServerCode
 from swarm_server.ui import SessionStore
 from swarm_server.ui.routes import router as console_router
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.workdir import prepare_workdir
 
 __all__ = ["build_context", "create_app"]
 
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> ServerContext:
-    settings.workdir.mkdir(parents=True, exist_ok=True)
+    prepare_workdir(settings.workdir)  # umask 077 before the first file is created
     ledger = Ledger(settings.ledger_path)
     snapshots = SnapshotStore(settings, ledger)
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
@@ -71,6 +72,8 @@ def create_app(settings: Settings) -> FastAPI:
         lifespan=lifespan,
         description="Control plane of the AgentJet training engine. See docs/api.md.",
         responses=LIMIT_RESPONSES,  # swarm_server.limits may refuse any request
+        # served by routes/docs.py, which declare their requirement like every route
+        openapi_url=None, docs_url=None, redoc_url=None,
     )
     app.state.ctx = ctx
     app.state.console_sessions = SessionStore(settings.ui_session_ttl_s)
@@ -82,8 +85,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(approvals.router)
     app.include_router(console_router)
     app.include_router(original.router)
+    app.include_router(docs.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
-    app.add_middleware(LimitsMiddleware, settings=settings, routes=app.router.routes)
+    app.add_middleware(LimitsMiddleware, ctx=ctx)
     return app
 
 

@@ -3,19 +3,30 @@
 The engine writes these files (docs/internals.md, "Files in the run dir"); the server
 only reads them, at the end of a run (summary into the ledger) and on every API read.
 A half-written last line (the engine is mid-write) is skipped, never an error.
+
+A regex log search uses the `regex` module (Python's syntax), never `re`: `re` has no
+time limit and holds the GIL while it backtracks, so one pattern such as `(a|aa)+$`
+from a worker token froze every thread of the server, `/health` and SIGTERM included.
+`regex` matches with the GIL released (`concurrent=True`) and stops at a time budget
+(`LogSearchTimeout`); callers run it off the event loop.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import regex
+
 __all__ = [
     "SUMMARY_FIELDS",
+    "LogPattern",
+    "LogSearchTimeout",
+    "compile_log_regex",
     "downsample",
     "read_log_lines",
     "read_metrics",
@@ -81,12 +92,34 @@ def downsample(points: list[dict[str, Any]], max_points: int) -> list[dict[str, 
     return [points[i] for i in indices]
 
 
+LogPattern = regex.Pattern
+
+
+class LogSearchTimeout(Exception):
+    """A regex log search ran past its time budget."""
+
+    def __init__(self, budget_s: float) -> None:
+        super().__init__(f"the regex search ran past its {budget_s:g} s budget")
+        self.budget_s = budget_s
+
+
+def compile_log_regex(pattern: str) -> LogPattern[str]:
+    """A pattern in Python's `re` syntax (the `regex` module's VERSION0); `ValueError`
+    naming the problem if it is not valid."""
+    try:
+        return regex.compile(pattern, flags=regex.VERSION0)
+    except regex.error as exc:
+        raise ValueError(str(exc)) from exc
+
+
 def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
-                   regex: re.Pattern[str] | None = None) -> tuple[list[str], int, bool]:
-    """The last `tail` lines (after filtering by substring `grep` or `regex`).
+                   pattern: LogPattern[str] | None = None,
+                   budget_s: float = 1.0) -> tuple[list[str], int, bool]:
+    """The last `tail` lines (after filtering by substring `grep` or regex `pattern`).
 
     Returns (lines, total matching lines scanned, truncated). `truncated` is True when
     older matching lines exist than were returned, or the file was too big to scan whole.
+    A `pattern` search that takes longer than `budget_s` in all raises `LogSearchTimeout`.
     """
     try:
         size = path.stat().st_size
@@ -103,11 +136,26 @@ def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
     lines = [line[:MAX_LOG_LINE_CHARS] for line in lines]
     if grep is not None:
         lines = [line for line in lines if grep in line]
-    if regex is not None:
-        lines = [line for line in lines if regex.search(line)]
+    if pattern is not None:
+        lines = _search(lines, pattern, budget_s)
     total = len(lines)
     kept = lines[-tail:] if tail > 0 else []
     return kept, total, (len(kept) < total) or not scanned_all
+
+
+def _search(lines: list[str], pattern: LogPattern[str], budget_s: float) -> list[str]:
+    deadline = time.monotonic() + budget_s
+    kept: list[str] = []
+    for line in lines:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise LogSearchTimeout(budget_s)
+        try:
+            if pattern.search(line, concurrent=True, timeout=remaining):
+                kept.append(line)
+        except TimeoutError as exc:
+            raise LogSearchTimeout(budget_s) from exc
+    return kept
 
 
 def _is_number(value: Any) -> bool:

@@ -131,12 +131,32 @@ class Settings(BaseSettings):
     max_json_depth: int = Field(default=32, gt=0)
     max_header_bytes: int = Field(default=64 * 1024, ge=1024,
                                   description="request line plus headers (swarm_server.limits)")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0, description="AJET_SWARM_HEADER_TIMEOUT_S: a connection whose "
+        "request line and headers are not complete this long after they began (or after "
+        "it opened) is closed (swarm_server.http_protocol)")
     request_body_timeout_s: float = Field(
         default=60.0, gt=0, description="longest wait for the next chunk of a request body")
     engine_request_timeout_s: float = Field(default=120.0, gt=0)
+    log_regex_timeout_s: float = Field(
+        default=1.0, gt=0, le=60, description="AJET_SWARM_LOG_REGEX_TIMEOUT_S: time budget "
+        "of one regex log search (GET /runs/{id}/logs?regex=true); past it: 400")
 
     # episodes
     episode_key_ttl_s: float = Field(default=24 * 3600.0, gt=0)
+    max_episode_body_bytes: int = Field(
+        default=1 * MiB, gt=0, description="AJET_SWARM_MAX_EPISODE_BODY_BYTES: body bound of "
+        "begin_episode, end_episode and abort_episode")
+    max_reward_magnitude: float = Field(
+        default=1e6, gt=0, le=1e300, description="AJET_SWARM_MAX_REWARD_MAGNITUDE: "
+        "end_episode refuses a reward with a larger absolute value (422)")
+    max_metric_magnitude: float = Field(
+        default=1e6, gt=0, le=1e300, description="AJET_SWARM_MAX_METRIC_MAGNITUDE: "
+        "end_episode refuses a log_metrics value with a larger absolute value (422)")
+    max_gateway_episodes: int = Field(
+        default=100_000, ge=100, description="AJET_SWARM_MAX_GATEWAY_EPISODES: entries in "
+        "the episode gateway's table (swarm_server.episodes); begin_episode answers 409 "
+        "when every entry is a live episode")
 
     @field_validator("standby_preload")
     @classmethod

@@ -48,6 +48,7 @@ from swarm_server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocess
 from swarm_server.ledger import Ledger, SnapshotRecord
 from swarm_server.settings import Settings
 from swarm_server.uploads import StagedBlob, check_free_disk
+from swarm_server.workdir import owner_only
 
 __all__ = ["ACTIVE_META_KEY", "SnapshotStore"]
 
@@ -237,7 +238,7 @@ class SnapshotStore:
             if dest.is_file():
                 continue
             dest.parent.mkdir(parents=True, exist_ok=True)
-            os.chmod(blob.path, 0o444)
+            os.chmod(blob.path, 0o400)  # immutable, and private (swarm_server.workdir)
             os.replace(blob.path, dest)
             added.append(blob.sha256)
         return added
@@ -421,7 +422,7 @@ class SnapshotStore:
         if digest.hexdigest() != entry.sha256:
             raise Unprocessable(f"blob {entry.sha256} is corrupt in the server's store",
                                 "POST /code/gc, then sync again to re-upload it")
-        os.chmod(dest, entry.mode)
+        os.chmod(dest, owner_only(entry.mode))  # 0o644 -> 0o600: private (swarm_server.workdir)
 
     def _compile(self, entries: Sequence[FileEntry], root: Path, shown_as: Path) -> int:
         """Bytecode for every `.py` of the snapshot at `root`; refuse a syntax error (422).
@@ -569,4 +570,6 @@ def _bounded(p: Provenance) -> Provenance:
     if len(diff) > _MAX_DIFF_CHARS:
         diff = diff[:_MAX_DIFF_CHARS] + "\n... diff truncated by the server\n"
     names = p.untracked_left_out[:_MAX_UNTRACKED_NAMES]
-    return p.model_copy(update={"diff": diff, "untracked_left_out": names})
+    # the worker-view fields are the server's to set (routes/runs.py), never the client's
+    return p.model_copy(update={"diff": diff, "untracked_left_out": names, "withheld": False,
+                                "diff_bytes": None, "untracked_count": None})

@@ -172,7 +172,7 @@ def _become_process(order: dict[str, Any]) -> None:
     os.chdir(order["cwd"])
     sys.stdout.flush()
     sys.stderr.flush()
-    log_fd = os.open(order["log_path"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    log_fd = os.open(order["log_path"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     null_fd = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null_fd, 0)
     os.dup2(log_fd, 1)

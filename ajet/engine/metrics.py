@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from ajet.engine.advantages import mean_std
 from ajet.engine.episodes import Episode
 from ajet.engine.learner import UpdateStats
 
@@ -36,8 +37,7 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
                  ) -> dict[str, Any]:
     """The metrics line of one step (rewards after reward processing)."""
     n = len(episodes)
-    mean = sum(rewards) / n if n else 0.0
-    std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / n) if n else 0.0
+    mean, std = mean_std(rewards)  # overflow-safe for any finite reward
     successes = sum(1 for e, r in zip(episodes, rewards, strict=True)
                     if (e.is_success if e.is_success is not None else r > 0))
     response_tokens = sum(e.trajectory.response_tokens for e in episodes)

@@ -1,6 +1,7 @@
 """Reward processing: the rewards workflows reported become the rewards the update uses.
 
-Variant: rewards are taken as sent (end_episode already refuses NaN and infinities),
+Variant: rewards are taken as sent (the server's end_episode already refuses NaN,
+infinities and magnitudes beyond its `max_reward_magnitude`, 1e6 by default),
 then optionally clipped to `[-reward_clip, reward_clip]` (`BackendDefaults.reward_clip`,
 off by default). No length penalty, no reward model. This is the place to add shaping:
 it sees every episode of the batch with its trajectory and metadata.

@@ -19,6 +19,7 @@ private channel, generates, writes metrics and checkpoints, and decides when to 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -163,6 +164,8 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
             inference.stop()
         if channel is not None:
             channel.stop()
+        if registry is not None:  # no call reaches it any more: its last word on its episodes
+            log.info("episodes at stop: %s", json.dumps(registry.snapshot(), sort_keys=True))
         if metrics is not None:
             metrics.close()
         dist.close()

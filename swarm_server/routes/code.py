@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi import Path as PathParam
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
@@ -67,6 +67,7 @@ from swarm_server.errors import (
     PayloadTooLarge,
 )
 from swarm_server.ledger import SnapshotRecord
+from swarm_server.limits import STREAMED_BODY
 from swarm_server.safe_zip import SafeZip, ZipLimits
 from swarm_server.uploads import (
     BlobStreamParser,
@@ -108,7 +109,7 @@ _BLOB_BODY = {"requestBody": {"required": True, "content": {"application/octet-s
 
 
 @router.post("/sync_train_code", response_model=CodeSyncResult, openapi_extra=_ZIP_BODY,
-             responses=_errors(400, 409, 413, 422, 507),
+             responses=_errors(400, 409, 413, 422, 507), dependencies=[Depends(STREAMED_BODY)],
              summary="One-shot sync: a zip of ajet/ as the body")
 async def sync_train_code(
     request: Request, ctx: Ctx, role: ControlAuth,
@@ -164,7 +165,7 @@ def code_manifest(body: ManifestRequest, ctx: Ctx, role: ControlAuth) -> Manifes
 
 
 @router.post("/code/blobs", response_model=BlobsUploaded, openapi_extra=_BLOB_BODY,
-             responses=_errors(400, 413, 507),
+             responses=_errors(400, 413, 507), dependencies=[Depends(STREAMED_BODY)],
              summary="Upload blobs: records of '<sha256> <size>\\n' + bytes")
 async def code_blobs(request: Request, ctx: Ctx, role: ControlAuth) -> BlobsUploaded:
     """Store the blobs of the body, each verified against its sha256; all or nothing."""

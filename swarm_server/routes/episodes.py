@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Body, Header, Request
+from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -40,8 +40,12 @@ from swarm_server.errors import (
     Unprocessable,
     openai_error_body,
 )
+from swarm_server.limits import BodyLimit
 
 router = APIRouter(tags=["episodes"])
+
+#: begin/end/abort bodies are small; a bound well under max_json_bytes (docs/limits.md).
+_EPISODE_BODY = [Depends(BodyLimit.setting("max_episode_body_bytes"))]
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "token or episode key missing, wrong or void"},
@@ -51,7 +55,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/begin_episode", responses=_ERRORS)
+@router.post("/begin_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def begin_episode(
     ctx: Ctx, _: WorkerAuth, request: Request,
     body: Annotated[BeginEpisodeRequest | None, Body()] = None,
@@ -61,7 +65,7 @@ async def begin_episode(
                                     public_base_url=str(request.base_url))
 
 
-@router.post("/end_episode", responses=_ERRORS)
+@router.post("/end_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def end_episode(ctx: Ctx, _: WorkerAuth,
                       body: Annotated[EndEpisodeRequest | OriginalEnd, Body()]
                       ) -> EndEpisodeResponse:
@@ -69,7 +73,7 @@ async def end_episode(ctx: Ctx, _: WorkerAuth,
     return await ctx.episodes.end(_converted(original_wire.end_request, body))
 
 
-@router.post("/abort_episode", responses=_ERRORS)
+@router.post("/abort_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
 async def abort_episode(ctx: Ctx, _: WorkerAuth,
                         body: Annotated[AbortEpisodeRequest | OriginalEnd, Body()]
                         ) -> dict[str, Any]:

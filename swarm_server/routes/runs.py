@@ -8,7 +8,6 @@ available after the run (and the server) ended.
 from __future__ import annotations
 
 import logging
-import re
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Path, Query
@@ -29,7 +28,15 @@ from swarm_server.context import ServerContext
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
 from swarm_server.errors import BadRequest, NotFound
 from swarm_server.ledger import OPEN_RUN_STATUSES, RunRecord
-from swarm_server.run_files import downsample, read_log_lines, read_metrics, summarize
+from swarm_server.run_files import (
+    LogPattern,
+    LogSearchTimeout,
+    compile_log_regex,
+    downsample,
+    read_log_lines,
+    read_metrics,
+    summarize,
+)
 
 __all__ = ["router"]
 
@@ -67,9 +74,16 @@ def list_runs(
 
 
 @router.get("/runs/{run_id}", responses=_ERRORS)
-def get_run(ctx: Ctx, _: ReaderAuth, run_id: RunId) -> RunPublic:
-    """One run: config YAML, snapshot and its provenance, status, metric summary."""
-    return _public(ctx, _resolve(ctx, run_id), full=True)
+def get_run(ctx: Ctx, role: ReaderAuth, run_id: RunId) -> RunPublic:
+    """One run: config YAML, snapshot and its provenance, status, metric summary.
+
+    With the worker token the provenance withholds the diff, the untracked file names and
+    the host (`Provenance.withheld`, with their sizes instead): workers never see code.
+    """
+    run = _public(ctx, _resolve(ctx, run_id), full=True)
+    if role == "worker" and run.provenance is not None:
+        run.provenance = run.provenance.for_worker()
+    return run
 
 
 @router.get("/runs/{run_id}/metrics", responses=_ERRORS)
@@ -110,22 +124,32 @@ def get_logs(
     regex: Annotated[bool, Query(description=f"Treat grep as a regex (<= {MAX_REGEX_CHARS} chars)")
                      ] = False,
 ) -> LogsResponse:
-    """The tail of the run's `engine.log`, optionally filtered."""
-    pattern: re.Pattern[str] | None = None
+    """The tail of the run's `engine.log`, optionally filtered.
+
+    A plain `def`: FastAPI runs it in its thread pool, off the event loop. A regex search
+    releases the GIL and has a time budget (`swarm_server.run_files`), so no pattern can
+    keep the server from answering.
+    """
+    pattern: LogPattern | None = None
     if grep and regex:
         if len(grep) > MAX_REGEX_CHARS:
             raise BadRequest(f"regex longer than {MAX_REGEX_CHARS} characters",
                              "shorten the pattern, or search a plain substring (regex=false)")
         try:
-            pattern = re.compile(grep)
-        except re.error as exc:
+            pattern = compile_log_regex(grep)
+        except ValueError as exc:
             raise BadRequest(f"invalid regex {grep!r}: {exc}",
                              "fix the pattern, or search a plain substring (regex=false)") from exc
     rec = _resolve(ctx, run_id)
-    lines, total, truncated = read_log_lines(
-        ctx.engine.run_dir(rec.id) / "engine.log", tail=tail,
-        grep=grep if grep and not regex else None, regex=pattern,
-    )
+    budget = ctx.settings.log_regex_timeout_s
+    try:
+        lines, total, truncated = read_log_lines(
+            ctx.engine.run_dir(rec.id) / "engine.log", tail=tail,
+            grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget)
+    except LogSearchTimeout as exc:
+        raise BadRequest(f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
+                         "use a simpler pattern (no nested or overlapping repetition), "
+                         "search a plain substring (regex=false), or lower tail") from exc
     return LogsResponse(run_id=rec.id, lines=lines, total_lines=total, truncated=truncated)
 
 

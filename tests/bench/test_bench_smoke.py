@@ -131,3 +131,26 @@ def test_cli_rejects_an_unknown_module() -> None:
     result = subprocess.run([sys.executable, "-m", "bench", "--only", "nope"],
                             capture_output=True, text=True, cwd=PROJECT_ROOT, check=False)
     assert result.returncode == 2 and "unknown module(s) nope" in result.stderr
+
+
+def test_soak_rows_from_a_report() -> None:
+    # the soak itself runs in tests/faults/test_soak.py; here only its rows are built
+    from collections import Counter
+
+    from bench.bench_soak import lost, p99, rows
+    from bench.soak import Episode, RunAccount, SoakReport
+
+    report = SoakReport(episodes=[Episode("r1", "e1", "ended"), Episode("r1", "e2", "aborted")],
+                        health_s=[0.001 * i for i in range(1, 101)], rss_mb=[60.0, 75.0, 70.0],
+                        wall_s=10.0)
+    engine = {"episodes_claimed": 2, "episodes_ended": 1, "episodes_trained": 0,
+              "episodes_waiting": 1}
+    whole = [RunAccount("r1", Counter(ended=1, aborted=1), 0, 0, engine, [])]
+    built = {r.name: r for r in rows(report, whole, idle=[0.001] * 10)}
+    _check(list(built.values()), "soak")
+    assert built["soak: /health p99 latency during the soak"].median == pytest.approx(99.0)
+    assert built["soak: server RSS growth over the soak"].median == 10.0
+    assert built["soak: episodes lost"].median == 0 and lost(whole) == 0
+    assert p99([5.0]) == 5.0
+    short = [RunAccount("r1", Counter(ended=2), 0, 0, {**engine, "episodes_ended": 1}, [])]
+    assert lost(short) == 1  # a worker's accepted end the engine never counted

@@ -260,7 +260,7 @@ async def test_errors_name_the_next_call_and_outputs_stay_small(bridge_factory: 
             ("start_rollouts", {"workflow": "no_such_module:run"}),
             ("configure", {"lr": -1.0}),
             ("configure", {"extra": {"no_such_field": 1}}),
-            ("read_logs", {"grep": "(unclosed"}),
+            ("read_logs", {"grep": "(unclosed", "regex": True}),
         ]:
             result = await client.call_tool(name, args)
             assert_names_next(result)

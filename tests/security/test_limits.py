@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ MAX_JSON = 4096
 MAX_DEPTH = 8
 MAX_HEADERS = 8192
 BODY_TIMEOUT_S = 1.0
+HEADER_TIMEOUT_S = 1.0
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
@@ -35,6 +37,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "AJET_SWARM_MAX_JSON_DEPTH": str(MAX_DEPTH),
         "AJET_SWARM_MAX_HEADER_BYTES": str(MAX_HEADERS),
         "AJET_SWARM_REQUEST_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
+        "AJET_SWARM_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
     })
     yield handle
     handle.stop()
@@ -129,10 +132,8 @@ def test_json_nested_past_the_depth_cap_is_400(srv: ServerHandle) -> None:
         r = http.post("/end_episode", json=deep, headers=WRK)
         assert r.status_code == 400 and "deeper than 8" in r.json()["detail"], r.text
         ok = {**deep, "metadata": nested(MAX_DEPTH - 1)}
-        assert http.post("/end_episode", json=ok, headers=WRK).status_code == 404  # unknown
-        # the open chat route is capped too, before its key is even looked at
-        chat = http.post("/v1/chat/completions", json={"messages": [nested(MAX_DEPTH)]})
-        assert chat.status_code == 400
+        # past the caps: the gateway answers (no engine runs: 409)
+        assert http.post("/end_episode", json=ok, headers=WRK).status_code == 409
 
 
 @settings(max_examples=200, deadline=None, database=None)
@@ -185,3 +186,62 @@ def test_a_stalled_body_is_dropped(srv: ServerHandle) -> None:
     assert reply.startswith(b"HTTP/1.1 400") and b"interrupted" in reply, reply[:300]
     incoming = Path(srv.workdir) / "ajet_temp" / ".incoming"
     assert not incoming.exists() or not any(incoming.iterdir())
+
+
+def _closed_by_server(s: socket.socket, within: float) -> bytes | None:
+    """What the server sent before closing `s` (within `within` s), or None if still open."""
+    s.settimeout(within)
+    reply = b""
+    try:
+        while chunk := s.recv(65536):
+            reply += chunk
+    except socket.timeout:
+        return None
+    return reply
+
+
+def test_connections_that_never_finish_their_headers_are_closed(srv: ServerHandle) -> None:
+    silent, partial = [], []
+    try:
+        for _ in range(25):
+            silent.append(socket.create_connection(("127.0.0.1", srv.port), timeout=30))
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=30)
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            partial.append(s)
+        # meanwhile the server answers everyone else
+        assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+        t0 = time.monotonic()
+        for s in silent:  # nothing sent: closed without a word
+            assert _closed_by_server(s, HEADER_TIMEOUT_S + 10) == b""
+        for s in partial:  # half a request: told why
+            reply = _closed_by_server(s, HEADER_TIMEOUT_S + 10)
+            assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
+            assert b"AJET_SWARM_HEADER_TIMEOUT_S" in reply
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 10
+    finally:
+        for s in silent + partial:
+            s.close()
+
+
+def test_trickled_headers_do_not_extend_the_deadline(srv: ServerHandle) -> None:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        closed = False
+        for _ in range(int(4 * HEADER_TIMEOUT_S / 0.2)):  # a byte every 0.2 s for 4x the limit
+            try:
+                s.sendall(b"X")
+            except OSError:
+                closed = True
+                break
+            if _closed_by_server(s, 0.2) is not None:
+                closed = True
+                break
+        assert closed and time.monotonic() - t0 < 4 * HEADER_TIMEOUT_S
+
+
+def test_keep_alive_requests_are_not_cut_by_the_header_timer(srv: ServerHandle) -> None:
+    with httpx.Client(base_url=srv.url, headers=WRK, timeout=30) as http:
+        for _ in range(2):  # one connection, requests spaced past the header timeout
+            assert http.get("/get_engine_status").status_code == 200
+            time.sleep(HEADER_TIMEOUT_S * 1.3)
