@@ -256,7 +256,7 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
         await _train(agent, run, steps)
         study.add(run)
         if run.failed:
-            config = await _recover(agent, study, run, repo, steps)
+            config = await _recover(agent, study, run, repo, steps, config)
             continue
         run.mean = await agent.window_mean(run.run_id, window)
         run.compared_with = best.label
@@ -280,9 +280,6 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
     best = study.the_best()
     sentence, config = await keep_best(agent, study, config, final=True)
     console.say(f"  {sentence}", always=True)
-    final = await agent.call("engine_status")
-    if final["snapshot_id"] != best.snapshot_id or config != best.config:
-        raise ToolFailed(f"the best run's code and config are not active: {final['message']}")
 
     console.phase("compare_runs, table, plot, report")
     compared = await _compare(agent, study)
@@ -290,7 +287,8 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
                         approvals=agent.human.approvals, job=args.job, steps=steps,
                         window=window,
                         margin=margin, n_workers=N_WORKERS, enforcing=agent.human.enforcing,
-                        final_snapshot=final["snapshot_id"], final_config=config,
+                        # keep_best checked both against engine_status and configure
+                        final_snapshot=best.snapshot_id, final_config=config,
                         seconds=console.elapsed(), plot=Path(args.plot).resolve())
     console.say(results_table(result), always=True)
     write_plot(study, result.plot)
@@ -302,7 +300,7 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
                 f"{len(agent.calls)} tool calls; the largest result {largest.bytes} bytes "
                 f"({largest.tool}); {sum(c.error for c in agent.calls)} error result(s)",
                 always=True)
-    return _summary(result, report, final)
+    return _summary(result, report)
 
 
 async def _compare(agent: Agent, study: Study) -> dict[str, Any]:
@@ -350,19 +348,26 @@ async def keep_best(agent: Agent, study: Study, config: dict[str, Any], *, final
             sent = ", ".join(f"{k}={v}" for k, v in fields.items())
             done.append(f"set {sent} back with configure")
     if final:
+        # check what the server says now, not what the agent believes it did
+        active = (await agent.call("engine_status"))["snapshot_id"]
+        if active != best.snapshot_id or config != best.config:
+            wrong = [k for k in sorted(set(config) | set(best.config))
+                     if config.get(k) != best.config.get(k)]
+            raise ToolFailed(f"the best run {best.label} is not what the cluster has active: "
+                             f"snapshot {active[:12]} (best: {best.snapshot_id[:12]}), config "
+                             f"fields that differ: {', '.join(wrong) or 'none'}")
         did = f"; the agent {'; '.join(done)}" if done else ""
         return (f"{best.label} is the best run{did}. engine_status shows its snapshot "
-                f"{best.snapshot_id[:12]} active, and configure with no change answers its "
-                f"config (lr {config.get('lr')}, hash {config_hash[:12]}).",
-                config)
+                f"{active[:12]} active, and configure with no change answers its config "
+                f"(lr {config.get('lr')}, hash {config_hash[:12]}).", config)
     if not done:
         return (f"Not kept: {best.label}'s code and config were still active; nothing to "
                 "undo.", config)
     return "Not kept: the agent " + "; ".join(done) + ".", config
 
 
-async def _recover(agent: Agent, study: Study, run: RunRecord, repo: Path,
-                   steps: int) -> dict[str, Any]:
+async def _recover(agent: Agent, study: Study, run: RunRecord, repo: Path, steps: int,
+                   config: dict[str, Any]) -> dict[str, Any]:
     """The engine died: read why, roll back to the best run's code, restart on it.
 
     Every step is the call the previous result named: engine_status's message names
@@ -400,8 +405,13 @@ async def _recover(agent: Agent, study: Study, run: RunRecord, repo: Path,
     if module:
         revert_edit(repo, module)
         console.say(f"  {module} restored in the repository (the fix is the next iteration)")
+    fields = {k: v for k, v in best.config.items() if config.get(k) != v and v is not None}
+    if fields:  # the failed run also ran another config: the best run's, for the restart
+        config = (await agent.call("configure", **fields))["config"]
+        console.say(f"  configure({', '.join(f'{k}={v}' for k, v in fields.items())}): "
+                    f"{best.label}'s config for the restart")
     agent.choose(back["message"], ["start_engine"])
-    restart = RunRecord(label="restart", idea=None, config=best.config,
+    restart = RunRecord(label="restart", idea=None, config=config,
                         approval="no new approval: it ran before",
                         server_path=best.server_path)
     # One step past the one that crashed shows the rolled-back code trains; the rest of
@@ -419,10 +429,10 @@ async def _recover(agent: Agent, study: Study, run: RunRecord, repo: Path,
                     f"restarted (run {restart.run_id}, {len(restart.points)} step(s)); the "
                     "edit was undone in the repository.")
     console.say(f"Decision: {run.decision}", always=True)
-    return best.config
+    return config
 
 
-def _summary(result: LoopResult, report: Path, final: dict[str, Any]) -> dict[str, Any]:
+def _summary(result: LoopResult, report: Path) -> dict[str, Any]:
     """The results as JSON (`--summary-json`): what the test of the whole loop checks."""
     study = result.study
     best = study.the_best()
@@ -445,7 +455,7 @@ def _summary(result: LoopResult, report: Path, final: dict[str, Any]) -> dict[st
         "runs": [run_json(r) for r in study.runs],
         "best": best.label, "best_run_id": best.run_id, "best_snapshot_id": best.snapshot_id,
         "best_config": best.config,
-        "active_snapshot_after": final["snapshot_id"], "config_after": result.final_config,
+        "active_snapshot_after": result.final_snapshot, "config_after": result.final_config,
         "recoveries": [{"failed": rec.failed.label, "rolled_back_to": rec.rolled_back_to,
                         "restart": rec.restart.label if rec.restart else None,
                         "calls": [c.call_text() for c in rec.calls]}
