@@ -235,6 +235,9 @@ def test_demo_runs_three_ideas_recovers_keeps_the_best_and_reports(tmp_path: Pat
         assert needle in text, needle
     for run in summary["runs"]:
         assert f"`{run['run_id']}`" in text and f"`{run['snapshot_id'][:12]}`" in text
+    # the size of every tool result, call by call
+    for i, call in enumerate(summary["tool_calls"], 1):
+        assert f"| {i} | `{call['tool']}(" in text and f"` | {call['bytes']} |" in text
 
 
 @pytest.mark.slow

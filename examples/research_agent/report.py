@@ -296,7 +296,13 @@ def write_report(result: LoopResult, path: Path) -> None:
     else:
         out.append("No tool call returned an error: the crash reached the agent as data "
                    "(`engine_status`' `last_error`), and that message named the next calls.")
-    out += ["", *rows_sizes, "", "## Run it again", "",
+    # every call's size, folded: the table above is what a person reads, this the evidence
+    out += ["", *rows_sizes, "", "<details><summary>The size of every tool result, call by "
+            "call</summary>", "", "| # | call | bytes | error |", "|---:|---|---:|---|"]
+    # a pipe inside a table cell, code span included, is written \| (GitHub's tables)
+    out += [f"| {i} | `{c.call_text().replace('|', chr(92) + '|')}` | {c.bytes} | "
+            f"{'yes' if c.error else ''} |" for i, c in enumerate(result.calls, 1)]
+    out += ["", "</details>", "", "## Run it again", "",
             "`make demo` (or `.venv/bin/python examples/research_loop.py --help` for the "
             "flags: `--steps`, `--approvers`, `--report`, `--plot`, `--keep`). The numbers "
             "come from the run; on another CPU they can differ, and so can the verdicts.", ""]
