@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -167,11 +168,14 @@ def test_a_vanished_worker_times_out_and_its_slot_is_requeued(srv: ServerHandle)
     quiet_report(srv, JOB.batch_size)
     slots = engine_report(srv)["info"]["max_in_flight"]
     with SwarmClient(srv.url, token=WORKER_TOKEN) as worker, httpx.Client(timeout=60) as http:
-        # every slot claimed by a worker that chats once and is never heard from again
-        gone = [begin(worker) for _ in range(slots)]
-        assert chat(http, gone[0]).status_code == 200
+        # every slot claimed by a worker that chats once and is never heard from again;
+        # claimed at once, so the first claim cannot time out (TIMEOUT_S) before the
+        # last is made on a loaded machine
+        with ThreadPoolExecutor(max_workers=slots) as pool:
+            gone = list(pool.map(lambda _: begin(worker), range(slots)))
         full = httpx.post(f"{srv.url}/begin_episode", json={}, headers=WRK, timeout=30)
         assert full.status_code == 409 and "slots" in full.json()["detail"]
+        assert chat(http, gone[0]).status_code == 200
 
         fresh = begin(worker)  # waits (409s) until the idle claims time out
         report = engine_report(srv)["info"]
