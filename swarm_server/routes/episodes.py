@@ -192,8 +192,7 @@ async def _forward(ctx: Ctx, request: Request, authorization: str | None, path: 
     try:
         body = await _read_bounded(request, ctx.settings.max_json_bytes) if with_body else None
         return await ctx.episodes.openai(bearer_token(authorization), method=request.method,
-                                         path=path, body=body,
-                                         content_type=request.headers.get("content-type"))
+                                         path=path, body=body)
     except ApiError as exc:
         return _openai_error(exc)
 
