@@ -105,7 +105,11 @@ class EpisodeLane:
         scope["route"], scope["endpoint"], scope["path_params"] = api_route, lane.endpoint, {}
         request = Request(scope, receive)
         try:
-            body = await _parsed_body(lane, request) if lane.body is not None else None
+            # read first, whatever the handler does: the first `receive` is where the
+            # limits gate checks the route's requirement and body bound (a chat handler
+            # reads it again from Starlette's cache)
+            raw = await request.body()
+            body = _parsed_body(lane, request, raw) if lane.body is not None else None
             response = _as_response(await lane.handler(scope["app"].state.ctx, request, body))
         except _Invalid as exc:
             response = validation_error_response(exc.errors)
@@ -122,10 +126,9 @@ class _Invalid(Exception):
         self.errors = errors
 
 
-async def _parsed_body(lane: LaneRoute, request: Request) -> Any:
+def _parsed_body(lane: LaneRoute, request: Request, raw: bytes) -> Any:
     """The body as FastAPI parses a single body parameter (strict content type)."""
     assert lane.body is not None
-    raw = await request.body()
     value: Any = _MISSING
     if raw:
         if _is_json(request.headers.get("content-type")):
