@@ -19,8 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(PY) examples/research_loop.py
 
+# Two workers, each test file on one of them (module-scoped servers stay shared): most
+# tests wait on servers and subprocesses, so two workers fit two cores (about 0.6x the
+# time of one). `python -m pytest tests/...` still runs a part on one process.
 test: setup browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
 # browser here). Installed once when missing and the machine allows it (root with

@@ -13,9 +13,11 @@ import json
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -39,10 +41,13 @@ WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+def srv() -> Iterator[ServerHandle]:
     env = {"AJET_SWARM_STATUS_POLL_S": "0.05", "AJET_SWARM_STOP_GRACE_S": "10"}
-    with rolling_server(tmp_path_factory.mktemp("training-faults") / "swarm", JOB,
-                        env=env) as handle:
+    # A short work directory: `engine_report` reads the socket at `<run dir>/engine.sock`,
+    # where the server puts it only while that path fits a Unix socket address (pytest's
+    # temp dirs under xdist are longer).
+    with tempfile.TemporaryDirectory(prefix="ajet-faults-") as workdir, \
+            rolling_server(Path(workdir) / "swarm", JOB, env=env) as handle:
         yield handle
 
 
