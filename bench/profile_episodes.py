@@ -109,11 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     own, incl, total = top(args.out.read_text(), args.top)
-    out = [f"{cycles} proxied cycles ({3 * cycles} calls), {args.workers} worker(s), "
-           f"{total} samples of the server at {args.rate}/s; server CPU per call "
-           f"{_per_call(after.user - before.user, cycles)} user, "
-           f"{_per_call(after.system - before.system, cycles)} system (status poll included)",
-           "", "own samples:"]
+    head = (f"{cycles} proxied cycles ({3 * cycles} calls), {args.workers} worker(s), "
+            f"{total} samples of the server at {args.rate}/s; server CPU per call "
+            f"{_per_call(after.user - before.user, cycles)} user, "
+            f"{_per_call(after.system - before.system, cycles)} system (status poll included)")
+    out = [head, "", "own samples:"]
     out += [f"  {100 * c / total:5.1f}%  {name}" for name, c in own]
     out += ["", "inclusive samples:"]
     out += [f"  {100 * c / total:5.1f}%  {name}" for name, c in incl]

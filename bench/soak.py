@@ -519,8 +519,8 @@ class _Soak:
              anonymous_chat_uploads),
             ("50 connections that never finish their headers", "50 closed",
              unfinished_headers),
-            (f"{OVERSIZED_CHAT_BYTES >> 20} MiB chat with a valid episode key, /health "
-             "right after", "413 naming the chat bound, health 200", oversized_chat),
+            (f"{OVERSIZED_CHAT_BYTES >> 20} MiB chat with a valid episode key, then /health",
+             "413 naming the chat bound, health 200", oversized_chat),
         ]
         if self.c.sync_at_s is not None:
             attacks.append(("worker GET /runs/current after the sync: provenance",

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -135,7 +135,7 @@ def test_a_streamed_reply_arrives_chunk_by_chunk(tmp_path: Path) -> None:
         assert await chunks.__anext__() == b"data: 1\n\n"  # before the engine sent the rest
         engine.release.set()
         assert b"".join([c async for c in chunks]) == b"data: 2\n\n"
-        reply2, content = await channel.request("POST", "/echo", b"{}")  # connection reused
+        reply2, _ = await channel.request("POST", "/echo", b"{}")  # connection reused
         assert reply2.status == 200 and channel._open == 1
 
     _run(tmp_path, test)
