@@ -29,6 +29,7 @@ from pathlib import Path
 from bench import (
     bench_budgets,
     bench_episodes,
+    bench_generation,
     bench_mcp,
     bench_restart,
     bench_soak,
@@ -50,6 +51,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "mcp": bench_mcp.run,
     "episodes": bench_episodes.run,
     "restart": bench_restart.run,
+    "generation": bench_generation.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
     "soak": bench_soak.run,

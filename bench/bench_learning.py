@@ -97,22 +97,29 @@ def _gain(rewards: list[float]) -> tuple[float | None, float | None, float | Non
 def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repeat: int = 8,
                      n_workers: int = 4, stop_when_met: bool = True,
                      job_overrides: dict[str, Any] | None = None,
-                     workdir: Path | None = None) -> LearningFigures:
-    """Run server + engine + workers and measure the learning criterion."""
+                     workdir: Path | None = None,
+                     env: dict[str, str] | None = None) -> LearningFigures:
+    """Run server + engine + workers and measure the learning criterion.
+
+    `env` adds to the server's (and so the engine's) environment, e.g.
+    `AJET_ENGINE_GENERATION=recompute` for the generator without KV cache.
+    """
     job = AgentJetJob(model="ajet-tiny", batch_size=batch_size, num_repeat=num_repeat,
                       **(job_overrides or {}))
     workflow, tasks = load_workflow("examples/digits_workflow.py:workflow", PROJECT_ROOT)
     with tempfile.TemporaryDirectory(prefix="ajet-bench-learning-") as tmp:
         root = workdir or Path(tmp)
         port = _free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT),
-                                                        env.get("PYTHONPATH")) if p)
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PROJECT_ROOT), child_env.get("PYTHONPATH")) if p)
+        child_env.update(env or {})
         log = open(root / "server.log", "ab")  # noqa: SIM115 (closed below)
         server = subprocess.Popen(
             [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={port}",
              "--workdir", str(root), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root)
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+            cwd=root)
         client = SwarmClient(f"http://127.0.0.1:{port}", timeout=60)
         runner: RolloutRunner | None = None
         try:

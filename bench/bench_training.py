@@ -3,13 +3,15 @@
     python -m bench --only training
     python -m bench.bench_learning        # the learning criterion alone, with its figures
 
-One run of `bench.bench_learning.measure_learning` (the engine engineer's benchmark of
-the issue-3 criterion: `batch_size=4`, `num_repeat=8`, the digits workflow, 4 workers,
-90 s budget from `start_engine`), in a work directory kept until the end so that its
-`metrics.jsonl` can be read here. Steps per minute and tokens per second are medians
-over that run's steps (the first step, which waits for the workers to start, is left
-out): each step is one repetition. The run stops once the criterion holds, which takes
-at least 6 steps.
+Runs of `bench.bench_learning.measure_learning` (the engine engineer's benchmark of the
+issue-3 criterion: `batch_size=4`, `num_repeat=8`, the digits workflow, 4 workers, 90 s
+budget from `start_engine`), each in a work directory kept until the end so that its
+`metrics.jsonl` can be read here: first with the generator that recomputes every prefix
+(`AJET_ENGINE_GENERATION=recompute`, the engine before issue 17: the reference of the
+throughput rows), then with the default KV-cached one, then with LoRA. Steps per minute
+and tokens per second are medians over a run's steps (the first step, which waits for
+the workers to start, is left out): each step is one repetition. A run stops once the
+criterion holds, which takes at least 6 steps.
 """
 
 from __future__ import annotations
@@ -39,20 +41,20 @@ def _metric_lines(workdir: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def run(ctx: BenchContext) -> list[Row]:
-    workdir = ctx.path("training")
+def _learn(ctx: BenchContext, name: str, *, job: dict[str, Any] | None = None,
+           env: dict[str, str] | None = None) -> tuple[LearningFigures, Path]:
+    workdir = ctx.path(name)
     workdir.mkdir(parents=True)
-    figures: LearningFigures
-    lora_dir = ctx.path("training-lora")
-    lora_dir.mkdir(parents=True)
     if ctx.quick:  # a few small steps: proves the plumbing, not the learning
-        figures = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
-                                   stop_when_met=False, workdir=workdir)
-        lora = measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
-                                stop_when_met=False, workdir=lora_dir, job_overrides=LORA_JOB)
-    else:
-        figures = measure_learning(duration_s=BUDGET_S, workdir=workdir)
-        lora = measure_learning(duration_s=BUDGET_S, workdir=lora_dir, job_overrides=LORA_JOB)
+        return measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
+                                stop_when_met=False, workdir=workdir, job_overrides=job,
+                                env=env), workdir
+    return measure_learning(duration_s=BUDGET_S, workdir=workdir, job_overrides=job,
+                            env=env), workdir
+
+
+def _throughput(workdir: Path) -> tuple[list[dict[str, Any]], float, float]:
+    """A run's steady metrics lines, its steps per minute and tokens per second."""
     lines = _metric_lines(workdir)
     steady = lines[1:] or lines
     if not steady:
@@ -60,14 +62,30 @@ def run(ctx: BenchContext) -> list[Row]:
                            f"see {workdir}/server.log and {workdir}/runs/*/engine.log")
     step_s = statistics.median(float(line["step_time_s"]) for line in steady)
     tokens = statistics.median(float(line["tokens_per_s"]) for line in steady)
+    return steady, 60.0 / step_s, tokens
+
+
+def run(ctx: BenchContext) -> list[Row]:
+    before = None
+    if not ctx.quick:  # the smoke test proves the plumbing with the default generator
+        _, before_dir = _learn(ctx, "training-recompute",
+                               env={"AJET_ENGINE_GENERATION": "recompute"})
+        before = _throughput(before_dir)
+    figures, workdir = _learn(ctx, "training")
+    lora, _ = _learn(ctx, "training-lora", job=LORA_JOB)
+    steady, steps_per_min, tokens = _throughput(workdir)
     cfg = figures.config
     setup = (f"bs {cfg['batch_size']} x {cfg['num_repeat']}, {cfg['n_workers']} workers, "
              f"{figures.steps} steps")
+    reference = "recompute generator, before issue 17" if before else ""
+    if before:
+        setup += f"; reference {len(before[0]) + 1} steps"
     rows = [
-        Row("training ajet-tiny: steps per minute", 60.0 / step_s, "steps/min", rerun=RERUN,
-            repetitions=len(steady), note=setup),
-        Row("training ajet-tiny: tokens per second", tokens, "tokens/s", rerun=RERUN,
-            repetitions=len(steady), note="response tokens / step time, metrics.jsonl"),
+        Row("training ajet-tiny: steps per minute", steps_per_min, "steps/min", reference,
+            before[1] if before else None, rerun=RERUN, repetitions=len(steady), note=setup),
+        Row("training ajet-tiny: tokens per second", tokens, "tokens/s", reference,
+            before[2] if before else None, rerun=RERUN, repetitions=len(steady),
+            note="response tokens / step time, metrics.jsonl"),
     ]
     if not ctx.quick:
         seconds = figures.seconds_to_criterion

@@ -26,6 +26,7 @@ STANDBY_PRELOAD = (
     "torch", "numpy", "safetensors", "tokenizers", "transformers",
     "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto",
     "transformers.models.qwen2.modeling_qwen2", "transformers.models.qwen2.tokenization_qwen2",
+    "transformers.generation.continuous_batching",
     "yaml", "pydantic", "httpx", "fastapi", "uvicorn",
 )
 

@@ -174,6 +174,12 @@ class AgentJetJob(BaseModel):
     episode_timeout_s: float = Field(default_factory=_d("episode_timeout_s"),
                                      gt=0, le=86_400,
                                      description="A claimed episode idle this long is re-queued")
+    # --- generation (issue 17): KV cache sizing
+    gpu_memory_utilization: float = Field(
+        default_factory=lambda: _default("gpu_memory_utilization"), gt=0, le=1,
+        description="GPU only: fraction of each GPU's memory the engine may hold while it "
+                    "generates (weights, optimizer state, KV cache); the KV cache gets what is "
+                    "left. As in the original AgentJet (vLLM's knob). Ignored on CPU")
 
     # --- training at scale (issue 16: LoRA, activation checkpointing, micro-batches);
     # --- the engine side is ajet/engine/config.py, docs/distributed.md

@@ -10,7 +10,11 @@ Modules, one noun each (read in this order):
     tiny.py         the built-in `ajet-tiny` checkpoint, built locally
     policy.py       load a checkpoint; chat template; sampling
     scoring.py      response-token log-probs and entropy, logits in chunks
-    inference.py    the generation thread: continuous batching of chat requests
+    inference.py    the generation interface (Generator, GenerationRequest, ...)
+    continuous_batching.py  its backend: KV cache + continuous batching (transformers)
+    kv_cache.py     KV cache sizing from the job and the memory available
+    recompute.py    the reference generator without a cache (bench, fallback)
+    ranks.py        every rank generates: rank 0 routes episodes, the others serve
     trajectory.py   what an episode recorded (token ids and sampling log-probs)
     episodes.py     episode registry: claims, timeouts, per-task groups
     chat_api.py     the private channel's routes (status, episodes, chat completions)

@@ -3,6 +3,9 @@
 The socket is bound here (stale file removed first), made 0600 before it listens, and
 handed to uvicorn, so no other local user can connect even for a moment. uvicorn runs
 outside the main thread, which therefore keeps the SIGTERM handler (the trainer's).
+
+`tcp_host` binds a TCP port instead (a free one on that address): ranks on other nodes
+serve their generator to rank 0 that way (`ranks.py`), behind a bearer token.
 """
 
 from __future__ import annotations
@@ -27,22 +30,34 @@ MAX_SOCKET_PATH = 100
 
 
 class ChannelServer:
-    def __init__(self, app: FastAPI, socket_path: Path) -> None:
-        if len(os.fsencode(str(socket_path))) > MAX_SOCKET_PATH:
+    def __init__(self, app: FastAPI, socket_path: Path | None = None, *,
+                 tcp_host: str | None = None) -> None:
+        if (socket_path is None) == (tcp_host is None):
+            raise ValueError("pass a socket path or a TCP host, not both")
+        if socket_path is not None and len(os.fsencode(str(socket_path))) > MAX_SOCKET_PATH:
             raise ValueError(f"socket path is longer than {MAX_SOCKET_PATH} bytes: {socket_path}")
         self.socket_path = socket_path
+        self.tcp_host = tcp_host
+        #: (host, port) once started on TCP
+        self.tcp_address: tuple[str, int] | None = None
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
                                 timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
     def start(self, *, timeout: float = 30.0) -> None:
-        path = str(self.socket_path)
-        if os.path.lexists(path):
-            os.unlink(path)  # a stale socket from a killed engine
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.bind(path)
-        os.chmod(path, 0o600)
+        if self.tcp_host is not None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((self.tcp_host, 0))
+            self.tcp_address = sock.getsockname()[:2]
+            path = f"{self.tcp_address[0]}:{self.tcp_address[1]}"
+        else:
+            path = str(self.socket_path)
+            if os.path.lexists(path):
+                os.unlink(path)  # a stale socket from a killed engine
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.bind(path)
+            os.chmod(path, 0o600)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="ajet-channel", daemon=True)
         self._thread.start()
@@ -59,5 +74,6 @@ class ChannelServer:
         self._server.should_exit = True
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
+        if self.socket_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)

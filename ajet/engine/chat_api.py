@@ -40,11 +40,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ajet.engine.chat_format import ChatFormat
 from ajet.engine.config import EngineConfig
 from ajet.engine.episodes import EpisodeError, EpisodeRegistry
-from ajet.engine.inference import InferenceService
+from ajet.engine.inference import Generator
 from ajet.engine.openai_api import openai_router
 from ajet.engine.policy import Policy
 from ajet.engine.responses_api import responses_router
-from ajet.engine.serving import EngineUnavailable
+from ajet.engine.serving import EngineUnavailable, GenerationTracker
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
@@ -74,19 +74,21 @@ class EpisodePlane:
     #: `ajet.__file__` of every rank (rank 0 first), for the server's snapshot check
     ranks_ajet_files: list[str] = field(default_factory=list)
     policy: Policy | None = None
-    inference: InferenceService | None = None
+    inference: Generator | None = None
     #: the policy's chat template and response parsing; built with `set_policy`
     chat_format: ChatFormat | None = None
     started_at: float = field(default_factory=time.time)
     info: dict[str, Any] = field(default_factory=dict)
+    #: generations in progress per episode, cancelled when the episode is aborted
+    generations: GenerationTracker = field(default_factory=GenerationTracker)
 
-    def set_policy(self, policy: Policy, inference: InferenceService) -> None:
+    def set_policy(self, policy: Policy, inference: Generator) -> None:
         """The model is loaded: chats can be served."""
         self.chat_format = ChatFormat(policy.tokenizer)
         log.info("tool calls are parsed with the %s", self.chat_format.source)
         self.policy, self.inference = policy, inference
 
-    def serving(self) -> tuple[ChatFormat, InferenceService]:
+    def serving(self) -> tuple[ChatFormat, Generator]:
         """What a `/v1/*` call needs; 503 while no policy is loaded."""
         fmt, inference = self.chat_format, self.inference
         if fmt is None or inference is None:
@@ -101,7 +103,8 @@ class EpisodePlane:
             step=self.registry.step, run_id=self.run_id, world_size=self.world_size,
             ranks_ajet_files=self.ranks_ajet_files or [self.ajet_file],
             episodes_in_flight=snap["episodes_in_flight"],
-            info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3)},
+            info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3),
+                  **({"generation": self.inference.stats()} if self.inference else {})},
         )
 
 
@@ -136,7 +139,9 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
     @app.post("/abort_episode")
     async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
         requeued = registry.abort(body.episode_uuid, client_uuid=body.client_uuid)
-        log.info("episode %s aborted: %s", body.episode_uuid, body.reason)
+        cancelled = plane.generations.cancel(body.episode_uuid)  # frees their KV cache
+        log.info("episode %s aborted: %s%s", body.episode_uuid, body.reason,
+                 f" ({cancelled} generation(s) cancelled)" if cancelled else "")
         return {"episode_uuid": body.episode_uuid, "requeued": requeued}
 
     @app.get("/rollout_pool")

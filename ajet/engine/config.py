@@ -37,6 +37,16 @@ class BackendDefaults:
     in_flight_factor: float = 1.0
     #: Most chat completions generated together (continuous batching).
     max_generation_batch: int = 64
+    #: Generation backend: "continuous_batching" (KV cache, transformers >= 5.17) or
+    #: "recompute" (no cache; the benchmark's reference). AJET_ENGINE_GENERATION overrides.
+    generation_backend: str = "continuous_batching"
+    #: CPU KV cache: at most this much memory for the cache and its attention mask (GPU
+    #: runs size it from the job's gpu_memory_utilization instead; ajet/engine/kv_cache.py).
+    cpu_kv_cache_mb: float = 64.0
+    #: CPU: tokens per forward pass (prefill chunk); the mask grows with it.
+    cpu_max_batch_tokens: int = 256
+    #: Share KV blocks between requests with the same prompt prefix (never across updates).
+    prefix_sharing: bool = True
     #: Response tokens per chunk of output-head logits when scoring (scoring.py): the
     #: update never holds more than this many positions' (vocabulary-wide) logits.
     logprob_chunk_tokens: int = 1024
@@ -83,6 +93,7 @@ class EngineConfig:
     save_every: int
     max_steps: int
     episode_timeout_s: float
+    gpu_memory_utilization: float
     n_gpu: int
     n_proc: int
     lora_rank: int
@@ -103,6 +114,10 @@ class EngineConfig:
     cpu_threads: int
     max_in_flight: int
     max_generation_batch: int
+    generation_backend: str
+    cpu_kv_cache_mb: float
+    cpu_max_batch_tokens: int
+    prefix_sharing: bool
     logprob_chunk_tokens: int
     adv_eps: float
     reward_clip: float | None
@@ -159,6 +174,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         save_every=job.save_every,
         max_steps=job.max_steps,
         episode_timeout_s=job.episode_timeout_s,
+        gpu_memory_utilization=job.gpu_memory_utilization,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
         lora_rank=job.lora_rank,
@@ -182,6 +198,10 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         max_in_flight=job.max_env_worker or max(
             1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
         max_generation_batch=backend.max_generation_batch,
+        generation_backend=backend.generation_backend,
+        cpu_kv_cache_mb=backend.cpu_kv_cache_mb,
+        cpu_max_batch_tokens=backend.cpu_max_batch_tokens,
+        prefix_sharing=backend.prefix_sharing,
         logprob_chunk_tokens=backend.logprob_chunk_tokens,
         adv_eps=backend.adv_eps,
         reward_clip=backend.reward_clip,

@@ -1,33 +1,63 @@
-"""The generation thread: serves chat completions with continuous batching.
+"""The generation interface: what the episode plane asks of whatever generates tokens.
 
-Requests from the private channel's handlers are queued here; one thread owns the
-model for inference and, between decoding steps, lets new requests join the batch and
-finished ones leave. Each step samples one token for every active row
-(`policy.sample_tokens`), so rollout workers that chat at the same time share forward
-passes. Results and streamed text deltas are handed back through callbacks, which the
-caller makes thread-safe (the FastAPI side uses `loop.call_soon_threadsafe`).
+The chat routes (`chat_api.py`) build a `GenerationRequest` and hand it to a `Generator`;
+its deltas and its one `GenerationResult` come back through the request's callbacks.
+Behind the interface sits one backend module:
 
-The policy lock is held for one decoding step at a time, so an update never runs in
-the middle of a forward pass.
+    continuous_batching.py   transformers' continuous-batching engine: paged KV cache,
+                             requests join and leave between forward passes (the default)
+    recompute.py             the first engine's loop, recomputing every prefix per token;
+                             kept as the benchmark's reference and as a fallback
+                             (`AJET_ENGINE_GENERATION=recompute`)
+    ranks.py                 every rank generates: rank 0 routes each episode to one rank
+
+A vLLM backend would be one more module implementing `Generator`; the episode plane and
+the trainer only see this file. Nothing here imports torch, so the interface (and the
+text and stop-string handling shared by the backends) loads anywhere.
+
+Contract of a `Generator`, for backends and callers alike:
+
+- `submit` may be called from any thread and returns at once. It raises
+  `GenerationRefused` (a `ValueError`) for a request no backend state could serve (a
+  prompt longer than the model's context or the KV cache), `RuntimeError` when stopped.
+- `on_delta` receives the reply's text in order, holding back what may still turn into a
+  stop string; `on_done` is called exactly once, with the `GenerationResult` or with an
+  exception: `GenerationCancelled` after `cancel()`, `GenerationInterrupted` when a policy
+  update or a shutdown cut the reply short, any other exception when generation failed.
+  Callbacks run on a backend thread: they must be quick and thread-safe.
+- `pause()` returns once no forward pass runs and none will until `resume()`: the trainer
+  updates the weights in between. After `resume()` nothing computed with the old weights
+  is reused (no KV cache block, no half-generated reply). Requests submitted while paused
+  wait and start after `resume()`; requests caught in flight restart from their prompt if
+  they had not streamed any text yet, and are interrupted otherwise.
 """
 
 from __future__ import annotations
 
-import logging
-import queue
+import abc
+import contextlib
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
-import torch
+__all__ = [
+    "GenerationCancelled",
+    "GenerationHandle",
+    "GenerationInterrupted",
+    "GenerationRefused",
+    "GenerationRequest",
+    "GenerationResult",
+    "Generator",
+    "MIN_TEMPERATURE",
+    "ReplyText",
+    "effective_sampling",
+]
 
-from ajet.engine.policy import Policy, sample_tokens
-
-__all__ = ["GenerationRequest", "GenerationResult", "InferenceService"]
-
-log = logging.getLogger(__name__)
-
-_GREEDY_TEMPERATURE = 1e-5
+#: A request's temperature 0 (greedy, in OpenAI's convention) samples from
+#: softmax(logits / MIN_TEMPERATURE): a temperature this small puts all the mass on the
+#: arg-max (log_softmax stays finite), without a second sampling routine.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -49,136 +79,156 @@ class GenerationRequest:
     #: None = the run's setting; set only for `eval` episodes (0 = greedy)
     temperature: float | None = None
     top_p: float | None = None
+    #: Requests with the same session (the episode uuid) go to the same rank, so a
+    #: multi-turn episode finds its conversation in that rank's prefix cache.
+    session: str | None = None
 
 
-@dataclass
-class _Row:
-    request: GenerationRequest
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    emitted: int = 0  # characters of text already passed to on_delta
+class GenerationRefused(ValueError):
+    """The request cannot be served at all (too long for the context or the KV cache)."""
 
 
-class InferenceService:
-    """Owns the decoding loop; `submit` from any thread, `start`/`stop` from the owner."""
+class GenerationCancelled(Exception):
+    """`on_done` of a request whose handle was cancelled (client gone, episode aborted)."""
 
-    def __init__(self, policy: Policy, *, temperature: float, top_p: float, max_batch: int,
-                 seed: int) -> None:
-        self.policy = policy
-        self.temperature = temperature
-        self.top_p = top_p
-        self.max_batch = max_batch
-        self._generator = torch.Generator().manual_seed(seed)
-        self._queue: queue.Queue[GenerationRequest] = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ajet-inference", daemon=True)
-        self.tokens_generated = 0
 
+class GenerationInterrupted(RuntimeError):
+    """`on_done` of a reply cut short by a policy update or a shutdown; retry it."""
+
+
+class GenerationHandle:
+    """What `submit` returns: `cancel()` stops the request and frees its KV cache.
+
+    `cancel` is idempotent and safe from any thread; after the request finished it does
+    nothing. `finish` is the backends' side: it delivers `on_done` exactly once.
+    """
+
+    def __init__(self, request: GenerationRequest,
+                 on_cancel: Callable[[GenerationHandle], None] | None = None) -> None:
+        self.request = request
+        self._on_cancel = on_cancel
+        self._lock = threading.Lock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        with self._lock:
+            return self._done
+
+    def finish(self, outcome: GenerationResult | BaseException) -> bool:
+        """Deliver `on_done` unless already delivered; True if this call delivered it."""
+        with self._lock:
+            if self._done:
+                return False
+            self._done = True
+        self.request.on_done(outcome)
+        return True
+
+    def delta(self, text: str) -> None:
+        """Pass streamed text on (nothing once the request is done, or without on_delta)."""
+        if text and self.request.on_delta is not None and not self.done:
+            self.request.on_delta(text)
+
+    def cancel(self) -> None:
+        if self.done:
+            return
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+        self.finish(GenerationCancelled("the request was cancelled"))
+
+
+class Generator(abc.ABC):
+    """Generates completions for the episode plane (see the module docstring)."""
+
+    @abc.abstractmethod
     def start(self) -> None:
-        self._thread.start()
+        """Start serving (load what the backend needs: threads, the KV cache)."""
 
+    @abc.abstractmethod
     def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-        while True:  # fail what never started, so no caller waits forever
-            try:
-                request = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            request.on_done(RuntimeError("the engine is shutting down"))
+        """Stop serving; every request not yet done gets `GenerationInterrupted`."""
 
-    def submit(self, request: GenerationRequest) -> None:
-        if self._stop.is_set():
-            raise RuntimeError("the engine is shutting down")
-        self._queue.put(request)
+    @abc.abstractmethod
+    def submit(self, request: GenerationRequest) -> GenerationHandle:
+        """Queue `request`; see the module docstring for what comes back and when."""
 
-    # ------------------------------------------------------------------ the loop
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise `GenerationRefused` for a request this generator can never serve."""
 
-    def _run(self) -> None:
-        active: list[_Row] = []
-        while not self._stop.is_set():
-            if not active:
-                try:
-                    active.append(_Row(self._queue.get(timeout=0.2)))
-                except queue.Empty:
-                    continue
-            while len(active) < self.max_batch:  # rows join between decoding steps
-                try:
-                    active.append(_Row(self._queue.get_nowait()))
-                except queue.Empty:
-                    break
-            try:
-                active = self._decode_step(active)
-            except Exception as exc:  # a failed step fails its rows, never the thread
-                log.exception("generation step failed for %d request(s)", len(active))
-                for row in active:
-                    row.request.on_done(exc)
-                active = []
-        for row in active:
-            row.request.on_done(RuntimeError("the engine is shutting down"))
+    @abc.abstractmethod
+    def pause(self) -> None:
+        """Return once no forward pass runs; none starts until `resume`."""
 
-    def _decode_step(self, rows: list[_Row]) -> list[_Row]:
-        # one forward pass per sampling setting: rows of eval episodes may ask for their own
-        by_setting: dict[tuple[float, float], list[_Row]] = {}
-        for row in rows:
-            by_setting.setdefault(self._setting(row.request), []).append(row)
-        sampled: dict[int, tuple[int, float]] = {}
-        with self.policy.lock:
-            for (temperature, top_p), group in by_setting.items():
-                sequences = [row.request.prompt_ids + row.response_ids for row in group]
-                tokens, logprobs = sample_tokens(self.policy, sequences, temperature=temperature,
-                                                 top_p=top_p, generator=self._generator)
-                sampled.update({id(row): pair for row, pair in
-                                zip(group, zip(tokens, logprobs, strict=True), strict=True)})
-        self.tokens_generated += len(rows)
-        still: list[_Row] = []
-        for row in rows:
-            token, logprob = sampled[id(row)]
-            row.response_ids.append(token)
-            row.logprobs.append(logprob)
-            finish = self._advance(row, token)
-            if finish is None:
-                still.append(row)
-            else:
-                text = self._text(row)[0]
-                row.request.on_done(GenerationResult(
-                    prompt_ids=row.request.prompt_ids, response_ids=row.response_ids,
-                    logprobs=row.logprobs, text=text, finish_reason=finish))
-        return still
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Serve again with the model's current weights; no old KV is reused."""
 
-    def _setting(self, request: GenerationRequest) -> tuple[float, float]:
-        temperature = self.temperature if request.temperature is None else request.temperature
-        top_p = self.top_p if request.top_p is None else request.top_p
-        # temperature 0 means greedy: a temperature this small puts all the mass on the
-        # arg-max (log_softmax stays finite), without a second sampling routine
-        return max(temperature, _GREEDY_TEMPERATURE), top_p
+    def stats(self) -> dict[str, Any]:
+        """Counters for the engine's status report (`GET /status` info)."""
+        return {}
 
-    def _advance(self, row: _Row, token: int) -> str | None:
-        """Stream new text; the finish reason if the row is done, else None."""
-        text, stopped = self._text(row)
-        done: str | None = None
-        if token in self.policy.eos_ids or stopped:
-            done = "stop"
-        elif (len(row.response_ids) >= row.request.max_new_tokens
-              or len(row.request.prompt_ids) + len(row.response_ids) >= self.policy.max_positions):
-            done = "length"
-        safe = len(text)
-        if done is None:
-            # hold back text that may still become a stop string, or half a character
-            hold = max((len(s) - 1 for s in row.request.stop), default=0)
-            safe = max(row.emitted, len(text) - hold)
-            if text.endswith("\ufffd"):
-                safe = min(safe, len(text) - 1)
-        if row.request.on_delta is not None and safe > row.emitted:
-            row.request.on_delta(text[row.emitted:safe])
-            row.emitted = safe
-        return done
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """`pause()` ... `resume()` around a weight update."""
+        self.pause()
+        try:
+            yield
+        finally:
+            self.resume()
 
-    def _text(self, row: _Row) -> tuple[str, bool]:
-        """Decoded response text, cut at the first stop string; and whether one was hit."""
-        text = self.policy.decode(row.response_ids)
-        cut = min((i for s in row.request.stop if s and (i := text.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            return text[:cut], True
-        return text, False
+
+def effective_sampling(request: GenerationRequest, temperature: float, top_p: float
+                       ) -> tuple[float, float]:
+    """(temperature, top_p) for `request`: its own values where set, else the run's."""
+    t = temperature if request.temperature is None else request.temperature
+    p = top_p if request.top_p is None else request.top_p
+    return max(float(t), MIN_TEMPERATURE), min(max(float(p), 1e-6), 1.0)
+
+
+class ReplyText:
+    """The text of a reply as its tokens arrive: stop strings and safe streaming deltas.
+
+    `update(response_ids)` detokenizes incrementally, as vLLM and TGI do: it decodes a
+    short window from the last settled token and keeps only what the new tokens added,
+    so a long reply costs O(n), and a tokenizer that merges bytes across tokens still
+    yields whole characters (a window ending in half a character, U+FFFD, waits for the
+    next token). It cuts the text at the first stop string and returns what may be
+    streamed now, holding back the last `len(longest stop) - 1` characters, which may
+    still become a stop string, until the reply is done.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
+        self._decode = decode
+        self._stop = tuple(s for s in stop if s)
+        self._hold = max((len(s) - 1 for s in self._stop), default=0)
+        self._raw = ""  # everything decoded so far, before the stop cut
+        self._prefix = 0  # window start: tokens before it are settled
+        self._read = 0  # tokens whose text is in _raw
+        self._scanned = 0  # characters of _raw already searched for stop strings
+        self.text = ""
+        self.stopped = False
+        self.emitted = 0
+
+    def update(self, response_ids: list[int], *, done: bool = False) -> str:
+        """The new text safe to stream; sets `stopped` once a stop string appears."""
+        if not self.stopped and len(response_ids) > self._read:
+            settled = self._decode(response_ids[self._prefix:self._read])
+            window = self._decode(response_ids[self._prefix:])
+            if len(window) > len(settled) and (done or not window.endswith("\ufffd")):
+                self._raw += window[len(settled):]
+                self._prefix, self._read = self._read, len(response_ids)
+        text = self._raw
+        if not self.stopped and self._stop:
+            start = max(0, self._scanned - self._hold)
+            cut = min((i for s in self._stop if (i := text.find(s, start)) >= 0), default=-1)
+            self._scanned = len(text)
+            if cut >= 0:
+                self._raw, self.stopped = text[:cut], True
+        self.text = self._raw
+        safe = len(self.text)
+        if not (done or self.stopped):
+            safe = max(self.emitted, safe - self._hold)
+        if safe <= self.emitted:
+            return ""
+        delta, self.emitted = self.text[self.emitted:safe], safe
+        return delta

@@ -125,7 +125,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         episode_uuid, body = await accept_body(plane, request, x_episode_uuid,
                                                ChatCompletionRequest, accepted=CHAT_PARAMS)
         fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: prepare_chat(
-            plane, f, episode_uuid, body), streaming=body.stream)
+            plane, f, episode_uuid, body), streaming=body.stream, request=request)
         logprobs = bool(body.logprobs)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -145,7 +145,8 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
             default_only={"logprobs": ((0,), "send logprobs=0 for the sampled tokens' "
                                        "log-probs; alternatives are not computed")})
         fmt, generation, turn = await start_chat(plane, episode_uuid, lambda f: (
-            _prepare_completion(plane, f, episode_uuid, body)), streaming=body.stream)
+            _prepare_completion(plane, f, episode_uuid, body)), streaming=body.stream,
+            request=request)
         logprobs = body.logprobs is not None
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -194,12 +195,13 @@ async def read_body(request: Request, plane: EpisodePlane) -> bytes:
 
 
 async def start_chat(plane: EpisodePlane, episode_uuid: str,
-                     prepare: Callable[[ChatFormat], ChatTurn], *, streaming: bool
-                     ) -> tuple[ChatFormat, Generation, ChatTurn]:
+                     prepare: Callable[[ChatFormat], ChatTurn], *, streaming: bool,
+                     request: Request) -> tuple[ChatFormat, Generation, ChatTurn]:
     """Mark the episode busy, render, and queue the generation (shared by every API).
 
     Rendering and tokenising run in a worker thread: one episode's big chat never holds
-    the event loop that serves every other episode.
+    the event loop that serves every other episode. The generation is cancelled when the
+    episode is aborted or the client hangs up (`serving.start_generation`).
     """
     fmt, inference = plane.serving()
     registry = plane.registry
@@ -207,7 +209,8 @@ async def start_chat(plane: EpisodePlane, episode_uuid: str,
     try:
         turn = await asyncio.to_thread(prepare, fmt)
         generation = start_generation(registry, inference, episode_uuid, turn.ask,
-                                      streaming=streaming)
+                                      streaming=streaming, request=request,
+                                      tracker=plane.generations)
     except BaseException:
         registry.chat_finished(episode_uuid, None)
         raise

@@ -105,7 +105,7 @@ def responses_router(plane: EpisodePlane) -> APIRouter:
         logprobs = _check_include(body.include)
         fmt, generation, turn = await start_chat(
             plane, episode_uuid, lambda f: _prepare(plane, f, episode_uuid, body),
-            streaming=body.stream)
+            streaming=body.stream, request=request)
         if body.stream:
             return StreamingResponse(_stream(fmt, generation, turn, body, logprobs=logprobs),
                                      media_type="text/event-stream",

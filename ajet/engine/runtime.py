@@ -5,20 +5,23 @@
 
 Boot order: config (a bad field fails here, named in the traceback), the private
 channel (`GET /status` answers ENGINE.BOOTING from then on), the policy (ajet-tiny is
-built first if needed), the generation thread, then the step loop (`trainer.train`).
+built first if needed), the generator (`continuous_batching.py`, or `recompute.py` with
+AJET_ENGINE_GENERATION=recompute), then the step loop (`trainer.train`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, or `max_steps` reached), with the
 final checkpoint in `<run_dir>/final/`; 1 on any error, its traceback on stderr, which
 the server appends to `<run_dir>/engine.log`. Signal handlers only set an event.
 
-Under `torchrun` (docs/distributed.md) every rank runs this; rank 0 alone opens the
-private channel, generates, writes metrics and checkpoints, and decides when to stop
-(the other ranks follow it, whatever signals they get themselves).
+Under `torchrun` (docs/distributed.md) every rank runs this and every rank generates;
+rank 0 alone opens the private channel, routes each episode's generation to a rank
+(`ranks.py`), writes metrics and checkpoints, and decides when to stop (the other ranks
+follow it, whatever signals they get themselves).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -27,6 +30,12 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
+    from ajet.engine.config import EngineConfig
+    from ajet.engine.inference import Generator
+    from ajet.engine.policy import Policy
 
 __all__ = ["main", "parse_args"]
 
@@ -89,16 +98,18 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # progress bars would fill engine.log
+    # transformers' continuous batching logs every cache (re)build at INFO: once a step
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
 
     from ajet.engine.channel import ChannelServer
     from ajet.engine.chat_api import EpisodePlane, create_channel_app
     from ajet.engine.config import load_engine_config
     from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
     from ajet.engine.episodes import EpisodeRegistry
-    from ajet.engine.inference import InferenceService
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
     from ajet.engine.policy import load_policy, resolve_model_path
+    from ajet.engine.ranks import RankService, connect_ranks
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
@@ -124,7 +135,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         channel = ChannelServer(create_channel_app(plane),
                                 args.socket or run_dir / "engine.sock")
         channel.start()
-    inference: InferenceService | None = None
+    local: Generator | None = None  # this rank's generator
+    served: RankService | None = None  # ranks > 0: it, served to rank 0
+    routed: Generator | None = None  # rank 0 under torchrun: the router over every rank
     metrics: MetricsWriter | None = None
     dist = Dist()
     try:
@@ -139,29 +152,42 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
-        if plane is None or registry is None:  # ranks > 0: train on what rank 0 sends
-            steps = follow(learner, dist, run_dir=run_dir, run_id=args.run_id)
-            log.info("rank %d stopped after %d step(s)", dist.rank, steps)
+        # Everything loaded so far lives until exit: freezing it keeps each garbage
+        # collection short (transformers collects whenever the generator rebuilds its
+        # KV cache, once a step; without this each takes ~0.2 s here).
+        gc.freeze()
+        local = _local_generator(cfg, policy)
+        local.start()
+        routed, served = connect_ranks(local, dist, run_dir=run_dir)
+        if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
+            # run what it sends (updates, checkpoints)
+            steps = follow(learner, dist, run_dir=run_dir, run_id=args.run_id,
+                           generator=local)
+            log.info("rank %d stopped after %d step(s); it generated %d reply(s)", dist.rank,
+                     steps, local.stats().get("requests", 0))
             return 0
         plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
         plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
-        inference = InferenceService(policy, temperature=cfg.temperature, top_p=cfg.top_p,
-                                     max_batch=cfg.max_generation_batch, seed=cfg.seed)
-        inference.start()
-        plane.set_policy(policy, inference)
+        plane.set_policy(policy, routed or local)
         metrics = MetricsWriter(run_dir / "metrics.jsonl")
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                              metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
-                             started=started, dist=dist)
+                             started=started, dist=dist, generator=routed or local)
         steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
         finish(parts, steps)
     finally:
-        if inference is not None:
-            inference.stop()
+        if routed is not None:
+            log.info("generation per rank: %s", ", ".join(
+                f"{r['rank']}: {r['routed']} request(s)" for r in routed.stats()["ranks"]))
+        for part in (routed, local):
+            if part is not None:
+                part.stop()
+        if served is not None:
+            served.stop()
         if channel is not None:
             channel.stop()
         if registry is not None:  # no call reaches it any more: its last word on its episodes
@@ -171,3 +197,29 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
+    """This rank's generator: the backend `generation_backend` (or the env) names."""
+    backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
+    if backend == "recompute":
+        from ajet.engine.recompute import RecomputeGenerator
+
+        log.warning("generating with the reference backend (no KV cache): "
+                    "AJET_ENGINE_GENERATION=recompute")
+        return RecomputeGenerator(policy, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  max_batch=cfg.max_generation_batch, seed=cfg.seed)
+    if backend != "continuous_batching":
+        raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
+                         "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
+    from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+
+    return ContinuousBatchingGenerator(
+        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
+        max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
+        seed=cfg.seed, cache=CacheSettings(
+            max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
+            concurrency=max(1, min(cfg.max_generation_batch, cfg.max_in_flight)),
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,
+            prefix_sharing=cfg.prefix_sharing))

@@ -2,12 +2,15 @@
 
 A route marks the episode busy (`registry.chat_started`: 404/409 first, a closed episode
 is closed), turns its body into token ids (`chat_format`), then calls `start_generation`,
-which queues the request on the generation thread and returns a `Generation`: an asyncio
-queue of text deltas and the final result. `Generation.record` puts the completion in the
-episode's trajectory exactly once (prompt ids, response ids, sampling log-probs): the
-token ids the model saw and produced, whichever API served them. A failed generation, or
-a client that goes away before the end, releases the episode without recording anything
-(`Generation.release`).
+which submits the request to the generator (`inference.Generator`) and returns a
+`Generation`: an asyncio queue of text deltas and the final result. `Generation.record`
+puts the completion in the episode's trajectory exactly once (prompt ids, response ids,
+sampling log-probs): the token ids the model saw and produced, whichever API served them.
+A failed generation, or a client that goes away before the end, releases the episode
+without recording anything (`Generation.release`), and releasing cancels the generation,
+which frees its KV cache. A non-streamed reply watches its connection for that (a
+streamed one is closed by the server when its client goes); `GenerationTracker` cancels
+an episode's generations when the episode is aborted.
 """
 
 from __future__ import annotations
@@ -17,17 +20,35 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+
 from ajet.engine.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
-from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService
+from ajet.engine.inference import (
+    GenerationCancelled,
+    GenerationHandle,
+    GenerationInterrupted,
+    GenerationRefused,
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+)
 from ajet.engine.trajectory import Completion
 
-__all__ = ["EngineUnavailable", "Generation", "GenerationAsk", "start_generation"]
+__all__ = ["EngineUnavailable", "Generation", "GenerationAsk", "GenerationTracker",
+           "PromptTooLong", "start_generation"]
 
 
 class EngineUnavailable(EpisodeError):
     """503: no policy loaded yet, shutting down, or generation failed (see the log)."""
 
     status = 503
+
+
+class PromptTooLong(EpisodeError):
+    """400: the prompt does not fit the model's context or the KV cache."""
+
+    status = 400
+    param = "messages"
 
 
 @dataclass(frozen=True)
@@ -42,7 +63,7 @@ class GenerationAsk:
     top_p: float | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # one object per generation: hashed by identity
 class Generation:
     """A queued generation for one episode; record with `result()` or `events()`."""
 
@@ -51,6 +72,11 @@ class Generation:
     queue: asyncio.Queue[tuple[str, Any]]
     #: recorded or released: nothing more to do for the episode
     finished: bool = False
+    #: the generator's handle (cancel frees the KV cache); None until submitted
+    handle: GenerationHandle | None = None
+    #: the watcher of a non-streamed reply's connection, and the tracker it is in
+    watcher: asyncio.Future[None] | None = None
+    tracker: GenerationTracker | None = None
 
     async def next_event(self) -> tuple[str, Any]:
         """`("delta", text)` while generating, then `("done", GenerationResult)`."""
@@ -61,6 +87,13 @@ class Generation:
             raise
         if kind == "done" and isinstance(payload, BaseException):
             self.release()
+            if isinstance(payload, GenerationCancelled):
+                raise EpisodeClosed(f"the reply for episode {self.episode_uuid} was cancelled "
+                                    "(the episode was aborted, or its client went away)",
+                                    "call begin_episode for a new episode")
+            if isinstance(payload, GenerationInterrupted):
+                raise EngineUnavailable(f"generation was interrupted: {payload}",
+                                        "retry the request", retry_after_s=1.0)
             raise EngineUnavailable(f"generation failed: {payload}",
                                     "see the engine log (GET /runs/current/logs)")
         return kind, payload
@@ -80,7 +113,7 @@ class Generation:
                                 finish_reason=result.finish_reason,
                                 policy_step=self.registry.step,
                                 tool_call_parse_error=tool_call_parse_error)
-        self.finished = True
+        self._close()
         if not self.registry.chat_finished(self.episode_uuid, completion):
             raise EpisodeClosed(
                 f"episode {self.episode_uuid} was closed (aborted or timed out) while its "
@@ -88,17 +121,62 @@ class Generation:
                 "call begin_episode for a new episode")
 
     def release(self) -> None:
-        """The reply will not be recorded (failed, or the client went away)."""
+        """The reply will not be recorded (failed, or the client went away); stops it."""
         if not self.finished:
-            self.finished = True
+            self._close()
+            if self.handle is not None:
+                self.handle.cancel()  # nothing if it is done; else its KV cache is freed
             self.registry.chat_finished(self.episode_uuid, None)
 
+    def _close(self) -> None:
+        self.finished = True
+        if self.watcher is not None:
+            self.watcher.cancel()
+        if self.tracker is not None:
+            self.tracker.forget(self)
 
-def start_generation(registry: EpisodeRegistry, inference: InferenceService,
-                     episode_uuid: str, ask: GenerationAsk, *, streaming: bool) -> Generation:
-    """Queue `ask` for the episode; its deltas and result arrive on the Generation's queue.
 
-    The episode must be marked busy by the caller (`registry.chat_started`) first.
+class GenerationTracker:
+    """The generations in progress per episode (event loop only), to cancel on abort."""
+
+    def __init__(self) -> None:
+        self._by_episode: dict[str, set[Generation]] = {}
+
+    def add(self, generation: Generation) -> None:
+        generation.tracker = self
+        self._by_episode.setdefault(generation.episode_uuid, set()).add(generation)
+
+    def forget(self, generation: Generation) -> None:
+        generations = self._by_episode.get(generation.episode_uuid)
+        if generations is not None:
+            generations.discard(generation)
+            if not generations:
+                del self._by_episode[generation.episode_uuid]
+
+    def cancel(self, episode_uuid: str) -> int:
+        """Cancel the episode's generations; how many there were."""
+        generations = list(self._by_episode.pop(episode_uuid, ()))
+        for generation in generations:
+            if generation.handle is not None:
+                generation.handle.cancel()  # its waiter sees GenerationCancelled: 409
+        return len(generations)
+
+
+async def _release_when_gone(request: Request, generation: Generation) -> None:
+    """Release (cancel) a non-streamed generation once its client closed the connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    generation.release()
+
+
+def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uuid: str,
+                     ask: GenerationAsk, *, streaming: bool, request: Request | None = None,
+                     tracker: GenerationTracker | None = None) -> Generation:
+    """Submit `ask` for the episode; its deltas and result arrive on the Generation's queue.
+
+    The episode must be marked busy by the caller (`registry.chat_started`) first. With
+    `request` (a non-streamed reply, whose body is read), the generation is cancelled if
+    the client hangs up; with `tracker`, if the episode is aborted.
     """
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -116,11 +194,19 @@ def start_generation(registry: EpisodeRegistry, inference: InferenceService,
         post("delta", text)
 
     try:
-        inference.submit(GenerationRequest(
+        generation.handle = inference.submit(GenerationRequest(
             prompt_ids=ask.prompt_ids, max_new_tokens=ask.max_new_tokens, on_done=on_done,
             on_delta=on_delta if streaming else None, stop=ask.stop,
-            temperature=ask.temperature, top_p=ask.top_p))
+            temperature=ask.temperature, top_p=ask.top_p, session=episode_uuid))
+    except GenerationRefused as exc:
+        generation.release()
+        raise PromptTooLong(f"cannot generate for this prompt: {exc}",
+                            "shorten the conversation") from exc
     except RuntimeError as exc:
         generation.release()
         raise EngineUnavailable(str(exc), "retry once the engine is ENGINE.ROLLING") from exc
+    if tracker is not None:
+        tracker.add(generation)
+    if request is not None and not streaming:
+        generation.watcher = asyncio.ensure_future(_release_when_gone(request, generation))
     return generation

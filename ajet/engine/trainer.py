@@ -7,7 +7,9 @@ One step, top to bottom (docs/internals.md):
     ROLLING_POST    claims closed; wait until every claimed episode ended, was aborted
                     or timed out (its group may complete too: it waits in the queue)
     WEIGHT_SYNCING  take the `batch_size` oldest complete groups -> rewards ->
-                    advantages -> update over ppo_epochs -> metrics line -> checkpoint
+                    advantages -> update over ppo_epochs (generation paused: every
+                    rank's generator resumes on the new weights with a fresh KV cache)
+                    -> metrics line -> checkpoint
     (back to ROLLING)
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
@@ -25,6 +27,7 @@ all went to other ranks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -37,6 +40,7 @@ from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig
 from ajet.engine.distributed import Dist
 from ajet.engine.episodes import EpisodeRegistry, Group
+from ajet.engine.inference import Generator
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.metrics import MetricsWriter, step_metrics
 from ajet.engine.policy import Policy
@@ -61,6 +65,8 @@ class TrainerParts:
     #: monotonic time the engine process started (wall_time_s counts from it)
     started: float
     dist: Dist
+    #: this rank's generator, paused around each update (None: nothing generates here)
+    generator: Generator | None = None
 
 
 def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
@@ -102,7 +108,8 @@ def train(parts: TrainerParts) -> int:
         group_ids = [gi for gi, g in enumerate(groups) for _ in g.episodes]
         advantages = grpo_advantages(rewards, group_ids, eps=cfg.adv_eps)
         samples = parts.dist.broadcast(("train", build_samples(groups, advantages)))[1]
-        update = parts.learner.update(samples)
+        with _generation_paused(parts.generator):
+            update = parts.learner.update(samples)
         step += 1
 
         # metrics line, then a checkpoint every save_every steps
@@ -131,7 +138,8 @@ def finish(parts: TrainerParts, steps: int) -> None:
     parts.dist.broadcast(("stop", None))
 
 
-def follow(learner: Learner, dist: Dist, *, run_dir: Path, run_id: str | None) -> int:
+def follow(learner: Learner, dist: Dist, *, run_dir: Path, run_id: str | None,
+           generator: Generator | None = None) -> int:
     """Ranks other than 0: run each command rank 0 sends, until it says stop."""
     steps = 0
     while True:
@@ -143,5 +151,11 @@ def follow(learner: Learner, dist: Dist, *, run_dir: Path, run_id: str | None) -
             name, step = payload
             save_checkpoint(learner, run_dir / name, step=step, run_id=run_id)
             continue
-        learner.update(payload)
+        with _generation_paused(generator):
+            learner.update(payload)
         steps += 1
+
+
+def _generation_paused(generator: Generator | None) -> contextlib.AbstractContextManager[None]:
+    """No token is sampled during the update; afterwards only from the new weights."""
+    return generator.paused() if generator is not None else contextlib.nullcontext()

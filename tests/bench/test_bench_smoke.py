@@ -106,6 +106,13 @@ def test_restart(ctx: BenchContext) -> None:
 
 
 @pytest.mark.slow
+def test_generation(ctx: BenchContext) -> None:
+    rows = {r.name: r for r in _run_module("generation", ctx)}
+    kv = rows["generation ajet-tiny: tokens/s, KV cache + continuous batching"]
+    assert kv.reference_name == "recompute every prefix"
+
+
+@pytest.mark.slow
 def test_training(ctx: BenchContext) -> None:
     _run_module("training", ctx)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from ajet.copilot.job import AgentJetJob
+from ajet.engine.inference import Generator
 from tests.support import PROJECT_ROOT
 
 
@@ -79,3 +80,16 @@ def wait_for_state(engine: EngineHandle, state: str, *, timeout: float = 120.0) 
             pass
         time.sleep(0.05)
     raise TimeoutError(f"engine not {state} after {timeout}s (last {last}):\n{engine.log()}")
+
+
+class StubGenerator(Generator):
+    """A generator without a model, for tests of what sits around one: `submit` is the
+    test's, the lifecycle does nothing."""
+
+    def start(self) -> None: ...
+
+    def stop(self, timeout: float = 10.0) -> None: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...

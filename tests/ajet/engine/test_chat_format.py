@@ -12,14 +12,16 @@ from transformers import AutoTokenizer
 
 from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
 from ajet.engine.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
-from ajet.engine.inference import GenerationRequest, GenerationResult, InferenceService
+from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+from ajet.engine.inference import GenerationRequest, GenerationResult, Generator
 from ajet.engine.openai_requests import (
     BadRequest,
     check_parameters,
     resolve_sampling,
     resolve_tool_choice,
 )
-from ajet.engine.policy import load_policy
+from ajet.engine.policy import Policy, load_policy
+from ajet.engine.recompute import RecomputeGenerator
 from ajet.engine.tiny import ensure_tiny_model
 from ajet.protocol import EngineState
 
@@ -140,9 +142,23 @@ def test_eval_episodes_sample_as_asked_and_training_ones_with_the_run() -> None:
     assert registry.episode_type(episode.uuid) == EVAL_EPISODE
 
 
-def test_the_generation_loop_honours_a_request_temperature(checkpoint: Path) -> None:
+def _recompute(policy: Policy) -> Generator:
+    return RecomputeGenerator(policy, temperature=1.0, top_p=1.0, max_batch=8, seed=0)
+
+
+def _kv_cached(policy: Policy) -> Generator:
+    return ContinuousBatchingGenerator(
+        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
+        max_positions=policy.max_positions, temperature=1.0, top_p=1.0, seed=0,
+        cache=CacheSettings(max_request_tokens=256, concurrency=8, gpu_memory_utilization=0.9,
+                            cpu_kv_cache_mb=16, cpu_max_batch_tokens=256))
+
+
+@pytest.mark.parametrize("backend", [_kv_cached, _recompute], ids=["kv_cached", "recompute"])
+def test_the_generation_loop_honours_a_request_temperature(checkpoint: Path, backend: Any
+                                                           ) -> None:
     policy = load_policy(checkpoint, device="cpu", dtype="float32", seed=0)
-    service = InferenceService(policy, temperature=1.0, top_p=1.0, max_batch=8, seed=0)
+    service = backend(policy)
     service.start()
     try:
         prompt = policy.render_chat([{"role": "user", "content": "hello"}])

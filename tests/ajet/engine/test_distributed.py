@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -41,7 +43,7 @@ def test_engine_command_wraps_multi_process_jobs_in_torchrun(tmp_path: Path) -> 
 
 
 def _episodes(client: SwarmClient, n: int) -> None:
-    """n sequential episodes of one task (one worker: sampling is deterministic)."""
+    """n sequential episodes of one task (one worker)."""
     import openai
 
     done = 0
@@ -60,39 +62,34 @@ def _episodes(client: SwarmClient, n: int) -> None:
         done += 1
 
 
-def _train(root: Path, n_proc: int, steps: int) -> tuple[list[dict[str, Any]], Any]:
-    server = start_server(root)
+@pytest.mark.slow
+def test_two_gloo_ranks_both_generate_and_train(tmp_path: Path) -> None:
+    """Every rank serves episodes (FSDP2 over two gloo ranks). The update is checked
+    against one process by `test_uneven_groups_over_two_fsdp_ranks_train_to_the_one_
+    process_parameters` on the same batches; here the samples cannot match a one-process
+    run, since each rank samples from its own random stream."""
+    steps = 3
+    server = start_server(tmp_path)
     try:
         with SwarmClient(server.url, timeout=60) as client:
-            status = client.configure_and_start(
-                AgentJetJob(n_proc=n_proc, **JOB), wait_timeout=180)
-            for step in range(1, steps + 1):
-                # one group, then wait for its update: an episode claimed while the step
-                # is still ROLLING would be sampled before or after the update depending
-                # on timing, and the two runs would train on different batches
-                _episodes(client, JOB["num_repeat"])
-                deadline = time.monotonic() + 60
-                while len(points := client.get_metrics().points) < step:
-                    assert time.monotonic() < deadline
-                    time.sleep(0.1)
-            report = client.engine_status()
+            status = client.configure_and_start(AgentJetJob(n_proc=2, **JOB), wait_timeout=180)
+            _episodes(client, steps * JOB["num_repeat"])
+            deadline = time.monotonic() + 60
+            while len(points := client.get_metrics().points) < steps:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
             client.stop_run()
-            return points, (status, report)
     finally:
         server.stop()
-
-
-@pytest.mark.slow
-def test_two_gloo_ranks_train_like_one_process(tmp_path: Path) -> None:
-    single, _ = _train(tmp_path / "one", 1, 3)
-    double, (status, _) = _train(tmp_path / "two", 2, 3)
-    rewards = [(a["reward_mean"], b["reward_mean"]) for a, b in zip(single, double, strict=True)]
-    for a, b in zip(single, double, strict=True):
-        assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-3), rewards
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-3)
-        assert a["entropy"] == pytest.approx(b["entropy"], abs=1e-3)
-    log = next((tmp_path / "two" / "runs").iterdir()).joinpath("engine.log").read_text()
-    assert "[rank 1]" in log and "rank 1 stopped" in log
+    assert all(math.isfinite(p["loss"]) and p["episodes"] == JOB["num_repeat"]
+               for p in points)
+    log = next((tmp_path / "runs").iterdir()).joinpath("engine.log").read_text()
+    assert "[rank 1]" in log
+    # rank 0 sent episodes to both ranks, and rank 1's own generator answered them
+    routed = re.search(r"generation per rank: 0: (\d+) request\(s\), 1: (\d+) request", log)
+    assert routed and int(routed[1]) > 0 and int(routed[2]) > 0, log[-3000:]
+    served = re.search(r"rank 1 stopped after \d+ step\(s\); it generated (\d+) reply", log)
+    assert served and int(served[1]) == int(routed[2])
     assert status.ajet_file == str(PROJECT_ROOT / "ajet" / "__init__.py")
 
 

@@ -1,0 +1,172 @@
+"""KV cache sizing: how many tokens of paged KV cache one rank's generator holds.
+
+This module imports no torch: it turns numbers (the model's geometry from `config.json`,
+the job, the memory the device reports) into a `CachePlan`, so the memory planner can
+use the same arithmetic ahead of time.
+
+What the cache costs, per token it can hold (transformers' paged cache with SDPA/eager
+attention, which is what runs on CPU):
+
+    K and V for every layer       2 * layers * kv_heads * head_dim * dtype bytes
+    the attention mask column     max_batch_tokens * dtype bytes  (the mask is
+                                  [max_batch_tokens, cache tokens + max_batch_tokens])
+    the read index                8 bytes
+
+On CPU the mask column dominates for small models (ajet-tiny: 256 B of KV against 1 KiB
+of mask per token at 256 batch tokens), so both the cache and the batch stay small: the
+cache holds what `concurrency` requests of the longest allowed length need (each rounded
+up to whole pages), capped by `cpu_kv_cache_mb`, and never less than one such request.
+
+On GPU the budget is the job's `gpu_memory_utilization`, the original AgentJet's name
+for vLLM's knob, read as vLLM does: the fraction of the device's total memory this
+process may hold while it generates. Whatever is allocated when the cache is built
+(weights, optimizer state, an inference copy) counts against it, and the cache gets the
+rest, handed to transformers as `max_memory_percent` of the free memory so that its own
+accounting (masks, activations, logits) decides the final block count. The generator
+releases the cache before every update and plans it again afterwards, so the update's
+activations may use the whole device and the optimizer state that the first step
+allocates is counted from the second rollout on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CachePlan",
+    "CacheTooSmall",
+    "ModelGeometry",
+    "plan_cpu_cache",
+    "plan_gpu_cache",
+]
+
+GiB = 1024**3
+MiB = 1024**2
+#: Page (block) size in tokens. Small pages waste less per request on CPU, where requests
+#: are short; transformers' default on GPU, where the fast decode kernels expect it.
+CPU_PAGE_SIZE = 32
+GPU_PAGE_SIZE = 256
+#: Bytes per token of the read index (int64).
+_INDEX_BYTES = 8
+
+
+class CacheTooSmall(ValueError):
+    """The memory left for the KV cache cannot hold one request of the longest length."""
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    """What the KV cache size depends on, read from a model's config."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> ModelGeometry:
+        """From a `PretrainedConfig` or the dict of a `config.json`."""
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+        text = get("text_config")  # multimodal checkpoints nest the language model's config
+        if text:
+            return cls.from_config(text)
+        heads = int(get("num_attention_heads"))
+        head_dim = get("head_dim") or int(get("hidden_size")) // heads
+        return cls(layers=int(get("num_hidden_layers")),
+                   kv_heads=int(get("num_key_value_heads") or heads), head_dim=int(head_dim))
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """Arguments for transformers' `ContinuousBatchingConfig`, with what they mean."""
+
+    device: str
+    page_size: int
+    #: Blocks of `page_size` tokens; None lets transformers fit the cache to
+    #: `max_memory_percent` of the free memory.
+    num_blocks: int | None
+    #: Tokens in one forward pass (prefill chunks plus one per decoding request); None is
+    #: transformers' default.
+    max_batch_tokens: int | None
+    max_memory_percent: float | None
+    max_requests_per_batch: int
+    #: KV bytes per cached token, and the budget the plan was made for.
+    kv_bytes_per_token: int
+    budget_bytes: int
+    #: Longest request (prompt + response) the cache must always hold.
+    max_request_tokens: int
+
+    @property
+    def tokens(self) -> int | None:
+        """Planned capacity in tokens (None: decided by transformers from the budget)."""
+        return None if self.num_blocks is None else self.num_blocks * self.page_size
+
+    def summary(self) -> str:
+        capacity = (f"{self.tokens} tokens ({self.tokens * self.kv_bytes_per_token / MiB:.1f} "
+                    "MiB of KV)" if self.tokens is not None else
+                    f"as many tokens as {self.budget_bytes / GiB:.2f} GiB hold")
+        return (f"KV cache on {self.device}: {capacity}, pages of {self.page_size} tokens, "
+                f"up to {self.max_batch_tokens or 'default'} tokens and "
+                f"{self.max_requests_per_batch} requests per forward pass")
+
+
+def _blocks(requests: int, request_tokens: int, page_size: int) -> int:
+    """Pages for `requests` requests of `request_tokens` each: pages are not shared out
+    between requests, so each one rounds up to whole pages."""
+    return max(1, requests) * math.ceil(request_tokens / page_size)
+
+
+def plan_cpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tokens: int,
+                   concurrency: int, budget_mb: float, max_batch_tokens: int,
+                   page_size: int = CPU_PAGE_SIZE) -> CachePlan:
+    """The CPU cache: what `concurrency` longest requests need, within `budget_mb`."""
+    kv = geometry.kv_bytes_per_token(dtype_bytes)
+    per_token = kv + max_batch_tokens * dtype_bytes + _INDEX_BYTES
+    budget = int(budget_mb * MiB)
+    one_request = _blocks(1, max_request_tokens, page_size)
+    affordable = budget // (per_token * page_size)
+    blocks = max(min(_blocks(concurrency, max_request_tokens, page_size), affordable),
+                 one_request)
+    return CachePlan(device="cpu", page_size=page_size, num_blocks=blocks,
+                     max_batch_tokens=max_batch_tokens, max_memory_percent=None,
+                     max_requests_per_batch=max(1, min(concurrency, max_batch_tokens)),
+                     kv_bytes_per_token=kv, budget_bytes=budget,
+                     max_request_tokens=max_request_tokens)
+
+
+def plan_gpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tokens: int,
+                   concurrency: int, total_bytes: int, free_bytes: int,
+                   gpu_memory_utilization: float, page_size: int = GPU_PAGE_SIZE) -> CachePlan:
+    """The GPU cache: what `gpu_memory_utilization` of the device leaves after what is used.
+
+    Raises `CacheTooSmall` with the numbers and the fixes when that cannot hold one
+    request of `max_request_tokens`.
+    """
+    kv = geometry.kv_bytes_per_token(dtype_bytes)
+    used = total_bytes - free_bytes
+    budget = int(gpu_memory_utilization * total_bytes) - used
+    one_request = max_request_tokens * kv
+    # twice one request's KV: room for transformers' activations and index tensors too
+    if budget < 2 * one_request:
+        raise CacheTooSmall(
+            f"gpu_memory_utilization={gpu_memory_utilization} allows "
+            f"{gpu_memory_utilization * total_bytes / GiB:.2f} GiB of this GPU's "
+            f"{total_bytes / GiB:.2f} GiB; {used / GiB:.2f} GiB is in use (weights, optimizer "
+            f"state), which leaves {max(budget, 0) / GiB:.2f} GiB for the KV cache, but one "
+            f"request of max_prompt_length + max_response_length = {max_request_tokens} tokens "
+            f"needs {2 * one_request / GiB:.2f} GiB; raise gpu_memory_utilization, shorten "
+            "max_prompt_length or max_response_length, use more GPUs or LoRA")
+    need = _blocks(concurrency, max_request_tokens, page_size)
+    # cap the cache at what the job can use when that is well inside the budget; otherwise
+    # transformers fills the budget itself
+    num_blocks = need if need * page_size * kv < budget // 2 else None
+    return CachePlan(device="cuda", page_size=page_size, num_blocks=num_blocks,
+                     max_batch_tokens=None,
+                     max_memory_percent=min(1.0, budget / max(free_bytes, 1)),
+                     max_requests_per_batch=max(1, concurrency),
+                     kv_bytes_per_token=kv, budget_bytes=budget,
+                     max_request_tokens=max_request_tokens)
