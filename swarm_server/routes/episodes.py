@@ -10,6 +10,10 @@ begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
 completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
 the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
 its errors are OpenAI-shaped (`openai_error_body`) and keep `detail` and `hint`.
+
+The hot routes (`LANE_ROUTES`) are served by `swarm_server.episode_lane` without
+FastAPI's routing; their declarations here stay the source of their requirement and
+body bound, and their endpoints call the same handlers (`_begin`, `_end`, ...).
 """
 
 from __future__ import annotations
