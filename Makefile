@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser demo test bench bench-peers clean
+.PHONY: setup browser demo test bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ bench: setup
 
 bench-peers: setup
 	$(PY) -m bench.peers
+
+# The engine's GPU paths on one GPU (bench/gpu_check.py). No `setup`: it runs on a bare
+# GPU host with only torch, transformers and peft, with the system's python3.
+gpu-check:
+	$(PYTHON) bench/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

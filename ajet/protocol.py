@@ -201,6 +201,10 @@ class ConfigAccepted(BaseModel):
         default_factory=list,
         description="Settings stored without effect here, and nested keys with no meaning here")
     success: bool = Field(default=True, description="Always true (original AgentJet key)")
+    memory: dict[str, Any] | None = Field(
+        default=None,
+        description="The memory planner's estimate per GPU (docs/distributed.md, 'How the "
+                    "planner counts'); null when the model's config.json is not on the server")
 
 
 class StartEngineRequest(_Model):

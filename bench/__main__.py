@@ -31,6 +31,7 @@ from bench import (
     bench_episodes,
     bench_generation,
     bench_mcp,
+    bench_memory_plan,
     bench_restart,
     bench_soak,
     bench_sync,
@@ -54,6 +55,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "generation": bench_generation.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
+    "memory_plan": bench_memory_plan.run,
     "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ajet.engine.memory_plan import Available, JobView, model_shape, plan_memory
 from bench.context import BenchContext
 from bench.harness import PROJECT_ROOT, child_env
 from bench.report import Row
@@ -68,14 +69,21 @@ def run(ctx: BenchContext) -> list[Row]:
     peaks = {path: found[f"peak-{path}"] for path in ("old", "new")}
     per_rank = max(_state_bytes(r) for r in ranks)
     mb = 1024 * 1024
+    # the memory planner's terms for the same state (ajet/engine/memory_plan.py)
+    shape = model_shape(str(model))
+    assert shape is not None
+    plan = plan_memory(JobView(model=str(model), n_proc=2), shape, Available(1 << 50, "bench"))
+    planned = sum(t.bytes for t in plan.terms if t.name.startswith(
+        ("trained weights", "gradients", "AdamW moments")))
     size = f"{single['numel'] / 1e6:.0f}M-parameter Qwen2 shape" if not quick \
         else "quick shape"
     rows = [Row(
         "FSDP2 training state per rank (params + grads + AdamW), 2 gloo ranks",
         per_rank / mb, "MiB", "1 process", _state_bytes(single) / mb, target=f"<= {GOAL}x",
         met=per_rank <= GOAL * _state_bytes(single), rerun=RERUN, repetitions=1,
-        note=f"{size}; plus a full inference copy per rank: "
-             f"{ranks[0]['inference_copy'] / mb:.0f} MiB in fp32 here, half in bf16 on GPUs")]
+        note=f"{size}; the memory planner counts {planned / mb:.0f} MiB; plus a full "
+             f"inference copy per rank: {ranks[0]['inference_copy'] / mb:.0f} MiB in fp32 "
+             "here, half in bf16 on GPUs")]
     tokens = peaks["new"]["tokens"]
     rows.append(Row(
         f"peak training memory, one micro-batch of {tokens} tokens: chunked log-probs + "

@@ -1,6 +1,7 @@
 """A scripted research agent that closes the AgentJet loop through the MCP bridge only.
 
-    python examples/research_loop.py              # what `make demo` runs (under a minute)
+    python examples/research_loop.py              # what `make demo` runs
+    python examples/research_loop.py --approvers  # the server enforces approvals
     python examples/research_loop.py --steps 4 --plot /tmp/rewards.png --keep
 
 It plays the part an LLM agent plays in the real case, on one machine, with nothing
@@ -9,22 +10,33 @@ running beforehand:
   0. copies the project's `ajet/` and the digits workflow into a throwaway git repository,
      starts a local swarm server on a free loopback port (`SwarmClient(...,
      auto_start_swarm_server=True)`) and `ajet-mcp --approval ask` as a stdio subprocess;
-     from here on every action is an MCP tool call;
+     from here on every action on the cluster is an MCP tool call;
   1. baseline: `sync_train_code` (the unmodified copy), `configure` a small GRPO job on
      `ajet-tiny`, `start_engine`, `start_rollouts` with `examples/digits_workflow.py:workflow`
      (reward = share of digits in the reply), `read_metrics` until N steps are done;
-  2. states a hypothesis and patches `ajet/engine/advantages.py` in the throwaway repo:
-     keep only positive advantages (learn from better-than-average replies only, as in
-     rejection-sampling fine-tuning);
-  3. `sync_train_code` (dry run, then the real sync: the elicitation handler prints what a
-     human approves and accepts), `start_engine`, `start_rollouts`, the same N steps;
-  4. `compare_runs`, a table of both runs, a PNG of both reward curves, and the verdict,
-     computed from the measured `log/digit_share` (never fixed in advance);
-  5. acts on it: keeps the patch, or rolls back with `activate_snapshot`.
+  2. three ideas, one at a time, each with a hypothesis and judged against the best run
+     so far by the measured `log/digit_share` (never fixed in advance):
+       a. a code patch: keep only positive advantages (`ajet/engine/advantages.py`);
+       b. a config change through `configure` alone (twice the learning rate), no sync;
+       c. a code patch with a slip (`math.isqrt` in `ajet/engine/rewards.py`) that kills
+          the engine at its first update;
+     a change that does not beat the best run is undone: `activate_snapshot` for code,
+     `configure` for config;
+  3. the recovery from c, chosen from what the tools say: `engine_status` (state,
+     `last_error`, log tail), `read_logs` with a literal search, `stop_rollouts`,
+     `list_runs`, `activate_snapshot` to the best run's snapshot, `start_engine`, and a
+     run that trains one step past the one that crashed;
+  4. keep the best: the best run's snapshot and config are made (and checked) active;
+  5. `compare_runs` of every run, a table, a PNG of every run's curve and
+     `demo_report.md` for the human: hypotheses, snapshots, config differences,
+     verdicts, the crash and the recovery, the approvals, the size of every tool result.
 
-Both runs use the same seed and one rollout worker, so they sample the same first batch;
-later differences come from the patch (and a little thread timing). Ctrl-C (or SIGTERM) stops the rollouts, the engine,
-the bridge and the server before exiting; so does any error.
+Each sync is approved by the human: through MCP elicitation (printed, then accepted), or
+with `--approvers` on the server (the pending state is shown, then the human runs
+`ajet-swarm approvals approve` with their own approver token). Every run uses the same
+seed and one rollout worker, so runs start from the same first batch. Ctrl-C (or
+SIGTERM) stops the rollouts, the engine, the bridge and the server before exiting; so
+does any error.
 """
 
 from __future__ import annotations
@@ -33,36 +45,51 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import anyio
+import yaml
 from mcp import Client, StdioServerParameters
 from mcp.client.stdio import stdio_client
-from mcp_types import ElicitRequestParams, ElicitResult
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 if str(PROJECT_ROOT) not in sys.path:  # runnable from a checkout without installing
     sys.path.insert(0, str(PROJECT_ROOT))
 
 from ajet.client import SwarmClient  # noqa: E402
-from ajet.protocol import EngineState  # noqa: E402
+from examples.research_agent.agent import Agent, Human, ToolFailed  # noqa: E402
+from examples.research_agent.console import Console  # noqa: E402
+from examples.research_agent.judging import (  # noqa: E402
+    MARGIN,
+    METRIC,
+    Recovery,
+    RunRecord,
+    Study,
+    judge,
+    verdict_text,
+)
+from examples.research_agent.lab import (  # noqa: E402
+    IDEAS,
+    keep_edit,
+    make_throwaway_repo,
+    revert_edit,
+)
+from examples.research_agent.report import (  # noqa: E402
+    LoopResult,
+    results_table,
+    write_plot,
+    write_report,
+)
 
 WORKFLOW = "examples/digits_workflow.py:workflow"
-#: The task measure: share of digits in the reply, logged by the workflow itself, so it
-#: does not depend on how the engine processes rewards or advantages.
-METRIC = "log/digit_share"
 #: A small GRPO job that learns visibly within about ten steps on a 2-core CPU.
 #: lr is above the default (0.003) so the baseline's curve rises within the demo.
 JOB: dict[str, Any] = {
@@ -74,58 +101,10 @@ JOB: dict[str, Any] = {
     "max_new_tokens": 16,
     "seed": 0,
 }
-#: One worker: episodes run in a fixed order, so both runs draw the same random numbers
+#: One worker: episodes run in a fixed order, so runs draw the same random numbers
 #: until their weights differ. More workers are faster but make runs less comparable.
 N_WORKERS = 1
-#: Differences in mean digit share smaller than this count as noise (one run each).
-MARGIN = 0.03
-STEP_TIMEOUT_S = 120.0
-POLL_S = 0.5
-
-HYPOTHESIS = (
-    "Learning only from better-than-average replies (advantages clipped at 0, as in "
-    "rejection-sampling fine-tuning) raises the digit share faster than GRPO: pushing "
-    "down bad replies mostly adds noise."
-)
-NULL_HYPOTHESIS = (
-    "The negative advantages carry half of GRPO's signal: without them the digit share "
-    "rises more slowly."
-)
-PATCHED_MODULE = "ajet/engine/advantages.py"
-
-
-# ---------------------------------------------------------------------------- output
-
-
-class Console:
-    """Status lines on stdout; `quiet` keeps only phase headers, the table and the verdict."""
-
-    def __init__(self, *, quiet: bool, out: TextIO = sys.stdout) -> None:
-        self.quiet = quiet
-        self.out = out
-        self.t0 = time.monotonic()
-
-    def say(self, text: str = "", *, always: bool = False) -> None:
-        if always or not self.quiet:
-            print(text, file=self.out, flush=True)
-
-    def phase(self, text: str) -> None:
-        self.say(f"\n[{time.monotonic() - self.t0:5.1f}s] == {text}", always=True)
-
-    def boxed(self, title: str, body: str, *, max_lines: int = 40) -> None:
-        lines = [piece for line in body.rstrip().splitlines()
-                 for piece in (textwrap.wrap(line, 92, subsequent_indent="    ") or [""])]
-        if len(lines) > max_lines:
-            lines = [*lines[:max_lines], f"... ({len(lines) - max_lines} more lines)"]
-        self.say(f"  +-- {title} " + "-" * max(0, 70 - len(title)))
-        for line in lines:
-            self.say(f"  | {line}")
-        self.say("  +" + "-" * 76)
-
-
-def progress_bar(done: int, total: int, width: int = 20) -> str:
-    filled = min(width, round(width * done / max(1, total)))
-    return "[" + "#" * filled + "." * (width - filled) + "]"
+APPROVER_NAME = "demo-approver"
 
 
 # ---------------------------------------------------------------------------- setup
@@ -137,270 +116,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _git(repo: Path, *args: str) -> str:
-    cmd = ["git", "-c", "user.email=agent@example.com", "-c", "user.name=research-agent",
-           "-c", "commit.gpgsign=false", "-C", str(repo), *args]
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-
-
-def make_throwaway_repo(root: Path) -> Path:
-    """A git repository with a committed copy of the project's ajet/ and the workflow."""
-    root.mkdir(parents=True)
-    shutil.copytree(PROJECT_ROOT / "ajet", root / "ajet",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-    (root / "examples").mkdir()
-    shutil.copy2(PROJECT_ROOT / "examples" / "digits_workflow.py", root / "examples")
-    _git(root, "init", "-q", "-b", "main")
-    _git(root, "add", "ajet", "examples")
-    _git(root, "commit", "-q", "-m", "AgentJet as the research agent found it")
-    return root
-
-
-def patch_advantages(repo: Path) -> str:
-    """Apply the hypothesis to the throwaway repo; returns `git diff` of the change."""
-    path = repo / PATCHED_MODULE
-    text = path.read_text(encoding="utf-8")
-    # the assignment of each episode's normalised advantage inside grpo_advantages
-    pattern = re.compile(r"^(?P<indent>[ \t]+)advantages\[i\] = (?P<expr>.+)$", re.MULTILINE)
-    match = pattern.search(text)
-    if match is None:
-        raise RuntimeError(
-            f"{PATCHED_MODULE} no longer assigns `advantages[i] = ...`; update "
-            "patch_advantages in examples/research_loop.py to the module's new shape")
-    indent = match["indent"]
-    replacement = (
-        f"{indent}# research_loop hypothesis: learn only from better-than-average episodes\n"
-        f"{indent}# (rejection-sampling style); worse-than-average ones get advantage 0.\n"
-        f"{indent}advantages[i] = max(0.0, {match['expr']})"
-    )
-    path.write_text(text[:match.start()] + replacement + text[match.end():], encoding="utf-8")
-    return _git(repo, "diff", "--", PATCHED_MODULE)
-
-
 def bridge_command() -> list[str]:
     """`ajet-mcp` next to this interpreter, else the module (same code either way)."""
     script = Path(sys.executable).with_name("ajet-mcp")
     if script.is_file() and os.access(script, os.X_OK):
         return [str(script)]
     return [sys.executable, "-m", "mcp_bridge"]
-
-
-# ---------------------------------------------------------------------------- the agent
-
-
-class ToolFailed(RuntimeError):
-    """An MCP tool returned an error; its text says what happened and what to call next."""
-
-
-class Approver:
-    """The human in the loop: shows what the bridge asks to approve, then accepts."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.shown: list[str] = []
-
-    async def __call__(self, context: Any, params: ElicitRequestParams) -> ElicitResult:
-        self.shown.append(params.message)
-        self.console.say("  The bridge asks the human (MCP elicitation); the human sees:")
-        self.console.boxed("approval request", params.message)
-        self.console.say("  The human accepts.")
-        return ElicitResult(action="accept", content={"approve": True})
-
-
-@dataclass
-class RunRecord:
-    label: str
-    run_id: str
-    snapshot_id: str
-    server_path: str
-    ajet_file: str | None
-    points: dict[int, dict[str, float]] = field(default_factory=dict)
-    seconds: float = 0.0
-
-
-class Agent:
-    """Every action goes through one MCP session with the bridge."""
-
-    def __init__(self, session: Client, console: Console) -> None:
-        self.session = session
-        self.console = console
-
-    async def call(self, tool: str, **arguments: Any) -> dict[str, Any]:
-        result = await self.session.call_tool(tool, arguments)
-        if result.is_error:
-            text = "".join(getattr(block, "text", "") for block in result.content)
-            raise ToolFailed(f"{tool} failed: {text}")
-        if result.structured_content is None:
-            raise ToolFailed(f"{tool} returned no structured result")
-        return dict(result.structured_content)
-
-    async def sync(self, what: str) -> dict[str, Any]:
-        """Preview, then sync with the human's approval; returns the synced result."""
-        preview = await self.call("sync_train_code", dry_run=True)
-        changed = preview["added"] + preview["changed"] + preview["removed"]
-        files = (", ".join(changed) if len(changed) <= 3 and not preview["lists_truncated"]
-                 else f"{preview['files_total']} files")
-        self.console.say(f"  sync_train_code(dry_run=true), {what}: {files}; "
-                         f"{preview['blobs_to_upload']} blob(s), "
-                         f"{preview['bytes_to_upload']} bytes to upload")
-        synced = await self.call("sync_train_code")
-        if synced["status"] != "synced":
-            raise ToolFailed(f"sync_train_code ended as {synced['status']}: {synced['message']}")
-        self.console.say(f"  synced snapshot {synced['snapshot_id'][:12]} -> "
-                         f"{synced['server_path']} ({synced['bytes_uploaded']} bytes uploaded, "
-                         f"approval: {synced['approval']['status']})")
-        return synced
-
-    async def train(self, label: str, synced: dict[str, Any], steps: int) -> RunRecord:
-        """start_engine, start_rollouts, read_metrics until `steps`, stop both."""
-        started = await self.call("start_engine")
-        self.console.say(f"  start_engine: run {started['run_id']} is {started['engine_state']}"
-                         f" after {started['waited_s']} s; it imports ajet from "
-                         f"{started.get('ajet_file')}")
-        run = RunRecord(label=label, run_id=started["run_id"],
-                        snapshot_id=synced["snapshot_id"], server_path=synced["server_path"],
-                        ajet_file=started.get("ajet_file"))
-        rollouts = await self.call("start_rollouts", workflow=WORKFLOW, n_workers=N_WORKERS)
-        self.console.say(f"  start_rollouts: {rollouts['handle']}, {rollouts['n_workers']} "
-                         f"worker(s), {rollouts['tasks']} tasks x {rollouts['num_repeat']}")
-        t0 = last_progress = time.monotonic()
-        engine_ended = False
-        try:
-            while len(run.points) < steps:
-                if engine_ended:  # and the metrics read after it ended lack steps
-                    await self._raise_engine_died(run, steps)
-                await anyio.sleep(POLL_S)
-                # the engine's state first: metrics read after it went OFFLINE are complete
-                status = await self.call("engine_status")
-                engine_ended = status["engine_state"] == EngineState.OFFLINE.value
-                got = await self.call("read_metrics", run_id=run.run_id,
-                                      metrics=["reward_mean", METRIC, "step_time_s"], last_n=5)
-                new = [p for p in got["recent"]
-                       if p["step"] not in run.points and p["step"] <= steps]
-                for point in sorted(new, key=lambda p: p["step"]):
-                    run.points[int(point["step"])] = point
-                    last_progress = time.monotonic()
-                    self.console.say(
-                        f"  [{label}] step {point['step']:2d}/{steps} "
-                        f"{progress_bar(len(run.points), steps)} reward "
-                        f"{point.get('reward_mean', float('nan')):.3f}  digit share "
-                        f"{point.get(METRIC, float('nan')):.3f}  "
-                        f"({point.get('step_time_s', float('nan')):.1f} s/step)")
-                if time.monotonic() - last_progress > STEP_TIMEOUT_S:
-                    logs = await self.call("read_logs", run_id=run.run_id, tail=20)
-                    raise ToolFailed(f"no new step in {STEP_TIMEOUT_S:.0f} s; engine log:\n"
-                                     + "\n".join(logs["lines"]))
-        finally:
-            run.seconds = time.monotonic() - t0
-        await self.call("stop_rollouts")
-        stopped = await self.call("stop_engine", reason=f"{label}: {steps} steps done")
-        self.console.say(f"  stop_rollouts, stop_engine: run {run.run_id} ended "
-                         f"({stopped['engine_state']}); {steps} steps in {run.seconds:.0f} s")
-        return run
-
-    async def _raise_engine_died(self, run: RunRecord, steps: int) -> None:
-        status = await self.call("engine_status")
-        error = status.get("last_error") or {}
-        logs = await self.call("read_logs", run_id=run.run_id, tail=20)
-        raise ToolFailed(
-            f"the engine of run {run.run_id} went OFFLINE after {len(run.points)} of {steps} "
-            f"steps: {error.get('reason', 'no reason recorded')}; engine log:\n"
-            + "\n".join(logs["lines"]))
-
-    async def window_mean(self, run_id: str, last_n: int) -> float | None:
-        got = await self.call("read_metrics", run_id=run_id, metrics=[METRIC], last_n=last_n)
-        trend = got["trend"][0]
-        return None if trend["mean"] is None else float(trend["mean"])
-
-
-# ---------------------------------------------------------------------------- judging
-
-
-def judge(baseline: float | None, patched: float | None, *, margin: float = MARGIN) -> str:
-    """'held', 'rejected' or 'inconclusive' for the patch's hypothesis, from two means."""
-    if baseline is None or patched is None:
-        return "inconclusive"
-    if patched - baseline > margin:
-        return "held"
-    if baseline - patched > margin:
-        return "rejected"
-    return "inconclusive"
-
-
-def verdict_text(verdict: str, baseline: float | None, patched: float | None,
-                 window: int) -> str:
-    """Two lines: which hypothesis held, and the numbers it rests on."""
-    if baseline is None or patched is None:
-        return "Verdict: none; a run has no digit share values (read_logs tells why)."
-    numbers = (f"  mean {METRIC} over the last {window} step(s): baseline {baseline:.3f}, "
-               f"patched {patched:.3f} ({patched - baseline:+.3f})")
-    if verdict == "held":
-        head = "Verdict: the hypothesis HELD: with positive advantages only, learning was faster."
-    elif verdict == "rejected":
-        head = ("Verdict: the null hypothesis HELD: without negative advantages, learning was "
-                "slower.")
-    else:
-        head = (f"Verdict: neither held: the difference is within +-{MARGIN}, noise for one "
-                "run each.")
-    return f"{head}\n{numbers}"
-
-
-def _fmt(value: Any) -> str:
-    return "-" if value is None else f"{float(value):.3f}"
-
-
-def results_table(runs: list[RunRecord], compared: dict[str, Any], means: list[float | None],
-                  job: dict[str, Any], steps: int, window: int) -> str:
-    """Both runs side by side: code snapshot, reward first/last/best, the verdict's mean."""
-    rows = {r["run_id"]: r for r in compared["runs"]}
-    config = (f"{job['model']}, batch {job['batch_size']}x{job['num_repeat']}, lr {job['lr']}, "
-              f"max_new_tokens {job['max_new_tokens']}, seed {job['seed']}, {steps} steps, "
-              f"{N_WORKERS} rollout worker{'s' if N_WORKERS > 1 else ''}")
-    differs = ", ".join(compared["config_differences"]) or "none"
-    span = f"steps {steps - window + 1}-{steps}" if window > 1 else f"step {steps}"
-    head = (f"{'run':9} {'run id':22} {'snapshot':12} {'reward first':>12} {'last':>6} "
-            f"{'best':>6} {'@step':>5}   digit share, mean of {span}")
-    lines = [f"config of both runs: {config}", f"config differences: {differs}", "", head,
-             "-" * len(head)]
-    for run, mean in zip(runs, means, strict=True):
-        row = rows.get(run.run_id, {})
-        lines.append(f"{run.label:9} {run.run_id:22} {run.snapshot_id[:12]:12} "
-                     f"{_fmt(row.get('first')):>12} {_fmt(row.get('last')):>6} "
-                     f"{_fmt(row.get('best')):>6} {row.get('best_step') or '-':>5}   "
-                     f"{_fmt(mean)}")
-    lines.append("")
-    for run in runs:
-        lines.append(f"{run.label:9} code on the server: {run.server_path}")
-    return "\n".join(lines)
-
-
-def write_plot(runs: list[RunRecord], path: Path) -> None:
-    """Both reward curves (reward_mean per step) in one PNG, without a display."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7.0, 3.6), dpi=100)
-    ax = fig.subplots()
-    from matplotlib.ticker import MaxNLocator
-
-    for run, what in zip(runs, ("GRPO", "positive advantages only"), strict=False):
-        steps = sorted(run.points)
-        ax.plot(steps, [run.points[s].get("reward_mean") for s in steps], marker="o",
-                label=f"{run.label}: {what} (snapshot {run.snapshot_id[:8]})")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward_mean (digit share)")
-    ax.set_title("ajet-tiny on the digits task: GRPO vs. positive advantages only")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
-
-
-# ---------------------------------------------------------------------------- the loop
 
 
 def _cancel_on_signals(console: Console) -> None:
@@ -425,34 +146,44 @@ def _cancel_on_signals(console: Console) -> None:
 async def research_loop(args: argparse.Namespace, console: Console, root: Path) -> dict[str, Any]:
     _cancel_on_signals(console)
     console.phase("setting up: a throwaway repository, a local swarm server, the MCP bridge")
-    repo = make_throwaway_repo(root / "repo")
+    repo = make_throwaway_repo(root / "repo", PROJECT_ROOT)
     console.say(f"  repository: {repo} (a committed copy of ajet/ and the digits workflow)")
     token = secrets.token_hex(16)
+    approver_token = secrets.token_hex(16) if args.approvers else None
     url = f"http://127.0.0.1:{free_port()}"
+    # The approver list is set either way, so one in the caller's environment does not
+    # switch enforcement on behind the flag's back.
+    server_env = {"AJET_SWARM_TOKEN": token, "AJET_SWARM_APPROVER_TOKENS":
+                  f"{APPROVER_NAME}={approver_token}" if approver_token else ""}
     swarm = SwarmClient(url, token=token, auto_start_swarm_server=True,
-                        swarm_workdir=root / "swarm", server_start_timeout=60.0)
+                        swarm_workdir=root / "swarm", server_start_timeout=60.0,
+                        server_env=server_env)
     try:
-        console.say(f"  swarm server: {url} (pid {swarm.started_server_pid}, "
-                    f"workdir {root / 'swarm'})")
+        console.say(f"  swarm server: {url} (pid {swarm.started_server_pid}, workdir "
+                    f"{root / 'swarm'}" + (f", approver {APPROVER_NAME!r} with its own token"
+                                           if approver_token else "") + ")")
         params = StdioServerParameters(
             command=bridge_command()[0],
             args=[*bridge_command()[1:], "--swarm-url", url, "--repo", str(repo), "--approval",
                   "ask", "--approvals-dir", str(root / "approvals"), "--log-level", "WARNING"],
             env={"AJET_SWARM_TOKEN": token},
         )
-        approver = Approver(console)
+        human = Human(console, url, approver_token=approver_token)
         # A tool error is kept and raised after the session closed: raised inside it, the
         # client's task group would wrap it in an exception group.
         failure: ToolFailed | None = None
         summary: dict[str, Any] = {}
+        # Against approvers the client declares no elicitation, so the sync answers
+        # pending_approval and the demo shows that state; otherwise the bridge asks here.
+        elicit = None if human.enforcing else human.elicited
         with open(root / "ajet-mcp.log", "w", encoding="utf-8") as bridge_log:
             async with Client(stdio_client(params, errlog=bridge_log),
-                              elicitation_callback=approver) as session:
+                              elicitation_callback=elicit) as session:
                 tools = sorted(t.name for t in (await session.list_tools()).tools)
                 console.say(f"  ajet-mcp over stdio: {len(tools)} tools ({', '.join(tools)})")
-                agent = Agent(session, console)
+                agent = Agent(session, console, human, tools)
                 try:
-                    summary = await _loop(agent, args, console, repo, approver)
+                    summary = await _loop(agent, args, console, repo)
                 except ToolFailed as exc:
                     failure = exc
                 finally:
@@ -470,78 +201,271 @@ async def research_loop(args: argparse.Namespace, console: Console, root: Path) 
         swarm.close()  # stops the server, which stops any engine it still runs
 
 
-async def _loop(agent: Agent, args: argparse.Namespace, console: Console, repo: Path,
-                approver: Approver) -> dict[str, Any]:
-    steps = args.steps
-    status = await agent.call("engine_status")
-    console.say(f"  engine_status: {status['engine_state']}, snapshot {status['snapshot_id']}")
+# ---------------------------------------------------------------------------- the loop
 
-    console.phase(f"1. baseline: sync the unmodified code, configure, train {steps} steps")
-    baseline_sync = await agent.sync("the unmodified copy of ajet/")
-    # max_steps: the engine ends the run by itself after exactly `steps` updates
-    job = {**JOB, "max_steps": steps}
-    configured = await agent.call("configure", **job)
-    console.say(f"  configure: {configured['message']}")
-    baseline = await agent.train("baseline", baseline_sync, steps)
 
-    console.phase("2. hypothesis and patch")
-    console.say(textwrap.fill(f"Hypothesis: {HYPOTHESIS}", 96, initial_indent="  ",
-                              subsequent_indent="    "))
-    console.say(textwrap.fill(f"Null: {NULL_HYPOTHESIS}", 96, initial_indent="  ",
-                              subsequent_indent="    "))
-    console.say(textwrap.fill(f"Judged by {METRIC} (the raw task measure, untouched by "
-                              "advantage processing), averaged over the last half of the "
-                              "steps.", 96, initial_indent="  ", subsequent_indent="    "))
-    original = (repo / PATCHED_MODULE).read_text(encoding="utf-8")
-    diff = patch_advantages(repo)
-    console.say(f"  patched {PATCHED_MODULE} in {repo} ({diff.count(chr(10))} diff lines)")
-
-    console.phase("3. sync the patch (a human approves), restart, train the same steps")
-    patched_sync = await agent.sync("the patch")
-    if patched_sync["snapshot_id"] == baseline_sync["snapshot_id"]:
-        raise ToolFailed("the patched snapshot equals the baseline's: the patch did not ship")
-    patched = await agent.train("patched", patched_sync, steps)
-
-    console.phase("4. compare_runs, table, plot, verdict")
-    compared = await agent.call("compare_runs", run_ids=[baseline.run_id, patched.run_id],
-                                metric="reward_mean")
+async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
+                repo: Path) -> dict[str, Any]:
+    steps, margin = args.steps, args.margin
     window = max(1, steps // 2)
-    base_mean = await agent.window_mean(baseline.run_id, window)
-    patch_mean = await agent.window_mean(patched.run_id, window)
-    verdict = judge(base_mean, patch_mean)
-    console.say(results_table([baseline, patched], compared, [base_mean, patch_mean], job,
-                              steps, window), always=True)
-    plot_path = Path(args.plot).resolve()
-    write_plot([baseline, patched], plot_path)
-    console.say(f"\nreward curves of both runs: {plot_path}", always=True)
-    console.say(verdict_text(verdict, base_mean, patch_mean, window), always=True)
+    study = Study()
+    status = await agent.call("engine_status")
+    console.say(f"  engine_status: {status['engine_state']}, snapshot {status['snapshot_id']}, "
+                f"approvals enforced by the server: {status['approvals_enforced']}")
 
-    console.phase("5. decision")
-    if verdict == "held":
-        console.say(f"Decision: keep the patch; snapshot {patched.snapshot_id[:12]} stays "
-                    "active.", always=True)
-    else:
-        # not better: roll the cluster back to the baseline's code (no upload, no approval)
-        # and the repository with it
-        back = await agent.call("activate_snapshot", snapshot_id=baseline.snapshot_id)
-        (repo / PATCHED_MODULE).write_text(original, encoding="utf-8")
-        console.say(f"Decision: roll back. activate_snapshot: {back['message']}", always=True)
-        console.say(f"  {PATCHED_MODULE} restored in the repository.", always=True)
+    console.phase(f"baseline: sync the unmodified code, configure, train {steps} steps")
+    synced = await agent.sync("the unmodified copy of ajet/")
+    # max_steps: the engine ends the run by itself after exactly `steps` updates
+    configured = await agent.call("configure", **{**args.job, "max_steps": steps})
+    console.say(f"  configure: {configured['message']}")
+    config: dict[str, Any] = configured["config"]  # what the next start uses, as the server says
+    base = RunRecord(label="baseline", idea=None, approval=synced["approval_text"],
+                     server_path=synced["server_path"], config=config)
+    await _train(agent, base, steps)
+    if base.failed:
+        raise ToolFailed(f"the baseline run failed: {base.failure}; nothing to compare with")
+    base.mean = await agent.window_mean(base.run_id, window)
+    study.add(base)
+    study.best = base
+    console.say(f"  baseline: mean {METRIC} over the last {window} step(s) {base.mean:.3f}",
+                always=True)
+
+    for idea in args.ideas:
+        n = IDEAS.index(idea) + 1
+        best = study.the_best()
+        console.phase(f"idea {n} of {len(IDEAS)}, {idea.title}; the best so far: {best.label}")
+        console.wrapped(f"Hypothesis: {idea.hypothesis}")
+        console.wrapped(f"Null: {idea.null}")
+        console.wrapped(f"Judged by {METRIC} (the raw task measure, untouched by reward or "
+                        f"advantage processing), the mean over the last {window} step(s), "
+                        f"against {best.label}'s {best.mean:.3f}; a difference under {margin} "
+                        "is noise.")
+        run = RunRecord(label=f"{n}-{idea.key}", idea=idea, config=config)
+        if idea.kind == "code" and idea.edit is not None:
+            run.diff = idea.edit(repo)
+            console.say(f"  edited {idea.module} in the repository "
+                        f"({run.diff.count(chr(10))} diff lines)")
+            synced = await agent.sync(f"idea {n}")
+            run.approval, run.server_path = synced["approval_text"], synced["server_path"]
+        elif idea.change is not None:
+            run.config_change = idea.change(best.config)
+            configured = await agent.call("configure", **run.config_change)
+            console.say(f"  configure (no sync; the code stays {best.snapshot_id[:12]}): "
+                        f"{configured['message']}")
+            config = run.config = configured["config"]
+        await _train(agent, run, steps)
+        study.add(run)
+        if run.failed:
+            config = await _recover(agent, study, run, repo, steps, config)
+            continue
+        run.mean = await agent.window_mean(run.run_id, window)
+        run.compared_with = best.label
+        run.verdict = judge(best.mean, run.mean, margin=margin)
+        console.say(verdict_text(run.verdict, best_label=best.label, best=best.mean,
+                                 new=run.mean, window=window, margin=margin), always=True)
+        if run.verdict == "held":
+            study.best = run
+            if idea.module:
+                keep_edit(repo, idea.module, f"keep: {idea.title}")
+            run.decision = (f"Kept: {run.label} is the new best run (snapshot "
+                            f"{run.snapshot_id[:12]}, lr {run.config.get('lr')}).")
+        else:
+            run.decision, config = await keep_best(agent, study, config)
+            if idea.module:
+                revert_edit(repo, idea.module)
+                run.decision += f" It undid the edit of {idea.module} in its repository."
+        console.say(f"Decision: {run.decision}", always=True)
+
+    console.phase("keep the best: the best run's snapshot and config stay active")
+    best = study.the_best()
+    sentence, config = await keep_best(agent, study, config, final=True)
+    console.say(f"  {sentence}", always=True)
+
+    console.phase("compare_runs, table, plot, report")
+    compared = await _compare(agent, study)
+    result = LoopResult(study=study, compared=compared, calls=agent.calls,
+                        approvals=agent.human.approvals, job=args.job, steps=steps,
+                        window=window,
+                        margin=margin, n_workers=N_WORKERS, enforcing=agent.human.enforcing,
+                        # keep_best checked both against engine_status and configure
+                        final_snapshot=best.snapshot_id, final_config=config,
+                        seconds=console.elapsed(), plot=Path(args.plot).resolve())
+    console.say(results_table(result), always=True)
+    write_plot(study, result.plot)
+    report = Path(args.report).resolve() if args.report else result.plot.with_name(
+        "demo_report.md")
+    write_report(result, report)
+    largest = max(agent.calls, key=lambda c: c.bytes)
+    console.say(f"\nevery run's curve: {result.plot}\nthe report for the human: {report}\n"
+                f"{len(agent.calls)} tool calls; the largest result {largest.bytes} bytes "
+                f"({largest.tool}); {sum(c.error for c in agent.calls)} error result(s)",
+                always=True)
+    return _summary(result, report)
+
+
+async def _compare(agent: Agent, study: Study) -> dict[str, Any]:
+    """compare_runs of every run (it takes 2 to 6); a lone baseline from its own points."""
+    ids = [r.run_id for r in study.runs if r.run_id]
+    if len(ids) >= 2:
+        return await agent.call("compare_runs", run_ids=ids[:6], metric=METRIC)
+    rows = []
+    for run in study.runs:
+        values = [v for v in run.values() if v is not None]
+        rows.append({"run_id": run.run_id, "first": values[0] if values else None,
+                     "last": values[-1] if values else None,
+                     "best": max(values) if values else None})
+    return {"runs": rows, "config_differences": {}}
+
+
+async def _train(agent: Agent, run: RunRecord, steps: int, *, stop_after: int | None = None
+                 ) -> RunRecord:
+    return await agent.train(run, steps, workflow=WORKFLOW, n_workers=N_WORKERS,
+                             stop_after=stop_after)
+
+
+async def keep_best(agent: Agent, study: Study, config: dict[str, Any], *, final: bool = False
+                    ) -> tuple[str, dict[str, Any]]:
+    """Make the best run's snapshot and config the active ones; returns what was done.
+
+    The code: `engine_status` names the active snapshot, `activate_snapshot` restores the
+    best run's if it differs (no upload, no new approval). The config: `configure` with the
+    fields that differ from the best run's; at the end also with none, which answers the
+    config the server stores, to check it.
+    """
+    best = study.the_best()
+    done: list[str] = []
+    status = await agent.call("engine_status")
+    if status["snapshot_id"] != best.snapshot_id:
+        back = await agent.call("activate_snapshot", snapshot_id=best.snapshot_id)
+        done.append(f"rolled the cluster back to {best.label}'s snapshot "
+                    f"{back['snapshot_id'][:12]} with activate_snapshot")
+    fields = {k: v for k, v in best.config.items() if config.get(k) != v and v is not None}
+    config_hash = ""
+    if fields or final:
+        configured = await agent.call("configure", **fields)
+        config, config_hash = configured["config"], configured["config_hash"]
+        if fields:
+            sent = ", ".join(f"{k}={v}" for k, v in fields.items())
+            done.append(f"set {sent} back with configure")
+    if final:
+        # check what the server says now, not what the agent believes it did
+        active = (await agent.call("engine_status"))["snapshot_id"]
+        if active != best.snapshot_id or config != best.config:
+            wrong = [k for k in sorted(set(config) | set(best.config))
+                     if config.get(k) != best.config.get(k)]
+            raise ToolFailed(f"the best run {best.label} is not what the cluster has active: "
+                             f"snapshot {active[:12]} (best: {best.snapshot_id[:12]}), config "
+                             f"fields that differ: {', '.join(wrong) or 'none'}")
+        did = f"; the agent {'; '.join(done)}" if done else ""
+        return (f"{best.label} is the best run{did}. engine_status shows its snapshot "
+                f"{active[:12]} active, and configure with no change answers its config "
+                f"(lr {config.get('lr')}, hash {config_hash[:12]}).", config)
+    if not done:
+        return (f"Not kept: {best.label}'s code and config were still active; nothing to "
+                "undo.", config)
+    return "Not kept: the agent " + "; ".join(done) + ".", config
+
+
+async def _recover(agent: Agent, study: Study, run: RunRecord, repo: Path, steps: int,
+                   config: dict[str, Any]) -> dict[str, Any]:
+    """The engine died: read why, roll back to the best run's code, restart on it.
+
+    Every step is the call the previous result named: engine_status's message names
+    read_logs, then activate_snapshot (or a fix and a sync); activate_snapshot's names
+    start_engine; start_engine's names start_rollouts. Returns the config now stored.
+    """
+    best = study.the_best()
+    console = agent.console
+    console.phase(f"recovery: the engine of run {run.run_id} died after "
+                  f"{run.failure.steps_done if run.failure else 0} step(s)")
+    failure, status = await agent.diagnose(run)
+    run.failure, run.verdict = failure, "failed"
+    module = run.idea.module if run.idea else None
+    if failure.where is not None:
+        path, line, _ = failure.where
+        lines = (repo / path).read_text(encoding="utf-8").splitlines()
+        failure.source = lines[line - 1] if 0 < line <= len(lines) else None
+        culprit = ("the module this idea changed" if path == module
+                   else "not the module this idea changed")
+        console.say(f"  the failing line, {path}:{line} ({culprit}): "
+                    f"{(failure.source or '').strip()}")
+    console.say(f"  cause: {failure.describe()}", always=True)
+    if status["rollouts"]:  # workers still wait for an engine that is gone
+        await agent.call("stop_rollouts")
+    # Roll back so training is not blocked (the debugging playbook): the run that trained
+    # best, as list_runs reports it, not as remembered.
+    agent.choose(status["message"], ["activate_snapshot"])
+    runs = await agent.call("list_runs", limit=10)
+    row = next((r for r in runs["runs"] if r["run_id"] == best.run_id), None)
+    if row is None or row["status"] != "ended":
+        raise ToolFailed(f"list_runs does not show {best.label}'s run {best.run_id} as ended")
+    back = await agent.call("activate_snapshot", snapshot_id=row["snapshot_id"])
+    console.say(f"  activate_snapshot({row['snapshot_id']!r}), {best.label}'s code: "
+                f"{back['message']}")
+    if module:
+        revert_edit(repo, module)
+        console.say(f"  {module} restored in the repository (the fix is the next iteration)")
+    fields = {k: v for k, v in best.config.items() if config.get(k) != v and v is not None}
+    if fields:  # the failed run also ran another config: the best run's, for the restart
+        config = (await agent.call("configure", **fields))["config"]
+        console.say(f"  configure({', '.join(f'{k}={v}' for k, v in fields.items())}): "
+                    f"{best.label}'s config for the restart")
+    agent.choose(back["message"], ["start_engine"])
+    restart = RunRecord(label="restart", idea=None, config=config,
+                        approval="no new approval: it ran before",
+                        server_path=best.server_path)
+    # One step past the one that crashed shows the rolled-back code trains; the rest of
+    # the run would repeat the best run, so the agent stops it there.
+    await _train(agent, restart, steps, stop_after=failure.steps_done + 1)
+    if restart.failed:
+        raise ToolFailed(f"the restart on {best.label}'s code failed too: {restart.failure}")
+    # the calls from the first sign of the failure to the restart's rollouts
+    made = agent.calls[failure.first_call:]
+    cut = next((i for i, c in enumerate(made) if c.tool == "start_rollouts"), len(made) - 1)
+    study.recoveries.append(Recovery(failed=run, rolled_back_to=back["snapshot_id"],
+                                     calls=made[:cut + 1], restart=restart))
+    study.add(restart)
+    run.decision = (f"Rolled back to {best.label}'s snapshot {back['snapshot_id'][:12]} and "
+                    f"restarted (run {restart.run_id}, {len(restart.points)} step(s)); the "
+                    "edit was undone in the repository.")
+    console.say(f"Decision: {run.decision}", always=True)
+    return config
+
+
+def _summary(result: LoopResult, report: Path) -> dict[str, Any]:
+    """The results as JSON (`--summary-json`): what the test of the whole loop checks."""
+    study = result.study
+    best = study.the_best()
+
+    def run_json(r: RunRecord) -> dict[str, Any]:
+        return {"label": r.label, "kind": r.idea.kind if r.idea else None,
+                "run_id": r.run_id, "snapshot_id": r.snapshot_id, "server_path": r.server_path,
+                "ajet_file": r.ajet_file, "status": r.status, "steps": sorted(r.points),
+                "digit_share": r.values(), "mean": r.mean, "verdict": r.verdict,
+                "compared_with": r.compared_with, "decision": r.decision,
+                "config": r.config, "config_change": r.config_change,
+                "failure": None if r.failure is None else {
+                    "reason": r.failure.reason, "error_line": r.failure.error_line,
+                    "error_name": r.failure.error_name, "grep": r.failure.grep,
+                    "where": r.failure.where, "log_lines": r.failure.log_lines,
+                    "source": r.failure.source}}
+
     return {
-        "verdict": verdict,
-        "active_snapshot_after": (await agent.call("engine_status"))["snapshot_id"],
-        "metric": METRIC,
-        "window": window,
-        "baseline_mean": base_mean,
-        "patched_mean": patch_mean,
-        "plot": str(plot_path),
-        "approval_messages": approver.shown,
-        "compare": compared,
-        "runs": [{"label": r.label, "run_id": r.run_id, "snapshot_id": r.snapshot_id,
-                  "server_path": r.server_path, "ajet_file": r.ajet_file,
-                  "steps": sorted(r.points),
-                  "reward_mean": [r.points[s].get("reward_mean") for s in sorted(r.points)],
-                  "seconds": round(r.seconds, 1)} for r in (baseline, patched)],
+        "metric": METRIC, "window": result.window, "margin": result.margin,
+        "runs": [run_json(r) for r in study.runs],
+        "best": best.label, "best_run_id": best.run_id, "best_snapshot_id": best.snapshot_id,
+        "best_config": best.config,
+        "active_snapshot_after": result.final_snapshot, "config_after": result.final_config,
+        "recoveries": [{"failed": rec.failed.label, "rolled_back_to": rec.rolled_back_to,
+                        "restart": rec.restart.label if rec.restart else None,
+                        "calls": [c.call_text() for c in rec.calls]}
+                       for rec in study.recoveries],
+        "approvals": result.approvals, "enforcing": result.enforcing,
+        "tool_calls": [{"tool": c.tool, "arguments": c.arguments, "bytes": c.bytes,
+                        "error": c.error, "next_calls": list(c.next_calls)}
+                       for c in result.calls],
+        "compare": result.compared, "plot": str(result.plot), "report": str(report),
+        "seconds": round(result.seconds, 1),
     }
 
 
@@ -552,25 +476,60 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=12,
                    help="training steps per run (default: 12)")
+    p.add_argument("--ideas", default=",".join(str(i) for i in range(1, len(IDEAS) + 1)),
+                   help="which ideas to test, in order, by number: 1 positive advantages "
+                        "(code), 2 twice the learning rate (config), 3 square-root rewards "
+                        "(code that crashes the engine), or 'none'; default: all")
+    p.add_argument("--set", dest="job_overrides", action="append", default=[],
+                   metavar="FIELD=VALUE",
+                   help="change a field of the demo's job for every run, e.g. "
+                        "--set num_repeat=4 (values are read as YAML); repeatable")
+    p.add_argument("--margin", type=float, default=MARGIN,
+                   help=f"a mean digit share difference under this is noise and the change "
+                        f"is not kept (default: {MARGIN})")
+    p.add_argument("--approvers", action="store_true",
+                   help="start the server with an approver token: every sync waits on the "
+                        "server (pending) until the human approves it with `ajet-swarm "
+                        "approvals approve`; without it the human approves in the MCP client")
     p.add_argument("--plot", default="demo_rewards.png",
-                   help="where to write the PNG of both reward curves (default: "
+                   help="where to write the PNG of every run's curve (default: "
                         "./demo_rewards.png)")
+    p.add_argument("--report", default=None,
+                   help="where to write the report for the human (default: demo_report.md "
+                        "next to the plot)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="put the throwaway repo, server workdir and logs here (kept); "
                         "default: a temporary directory, removed at the end")
     p.add_argument("--keep", action="store_true",
                    help="keep the temporary directory (repo, server workdir, engine logs)")
     p.add_argument("--summary-json", type=Path, default=None,
-                   help="also write the results (run ids, snapshots, numbers) as JSON here")
+                   help="also write the results (runs, snapshots, numbers, tool calls) as "
+                        "JSON here")
     p.add_argument("--quiet", action="store_true",
-                   help="print only phase headers, the table and the verdict")
+                   help="print only phase headers, the table and the verdicts")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.steps < 1:
-        raise SystemExit("--steps must be at least 1")
+        parser.error("--steps must be at least 1")
+    try:
+        numbers = [] if args.ideas.strip() == "none" else [
+            int(n) for n in args.ideas.split(",") if n.strip()]
+        if any(n < 1 for n in numbers):
+            raise IndexError(numbers)
+        args.ideas = [IDEAS[n - 1] for n in numbers]
+    except (ValueError, IndexError):
+        parser.error(f"--ideas takes numbers from 1 to {len(IDEAS)} (e.g. --ideas 1,3) or "
+                     "'none' (the baseline only)")
+    args.job = dict(JOB)
+    for item in args.job_overrides:
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            parser.error(f"--set {item!r}: write FIELD=VALUE, e.g. --set num_repeat=4")
+        args.job[name.strip()] = yaml.safe_load(value)
     console = Console(quiet=args.quiet)
     if args.workdir is not None:
         root = args.workdir.resolve()

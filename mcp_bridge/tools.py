@@ -135,8 +135,14 @@ def _status_message(status: EngineStatus) -> str:
     state = status.state
     if state == EngineState.OFFLINE:
         if status.last_error is not None:
+            # The recovery the debugging playbook spells out, in call order: read, then
+            # fix and resync, or roll back to code that trained well; then start again.
             return (f"Engine is {state}; the last run failed: {status.last_error.reason[:200]}. "
-                    f"Read last_error, call {ToolName.READ_LOGS}, fix, then "
+                    f"Next: read last_error.log_tail and {ToolName.READ_LOGS} with "
+                    f"run_id={status.last_error.run_id} and grep='Traceback' (or the error's "
+                    f"name); then fix the code under ajet/ and {ToolName.SYNC_TRAIN_CODE}, or "
+                    f"roll back with {ToolName.ACTIVATE_SNAPSHOT} to a snapshot that trained "
+                    f"well ({ToolName.LIST_RUNS} shows each run's); then "
                     f"{ToolName.START_ENGINE}.")
         if not status.has_config:
             return (f"Engine is {state} with no config; call {ToolName.CONFIGURE}, then "

@@ -41,6 +41,9 @@ class ValidatedConfig:
     experiment_name: str
     ajet_file: str | None  # which ajet the validator ran from
     notes: list[dict[str, str]] = field(default_factory=list)  # accepted without effect
+    #: the memory planner's estimate (ajet/engine/memory_plan.py), None when the snapshot's
+    #: validator has no planner or the model's config.json is not on this machine
+    memory: dict[str, Any] | None = None
 
 
 def config_hash(yaml_text: str) -> str:
@@ -90,28 +93,39 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
         # a whole-job rule (loc []) is named by its message: "max_new_tokens must not ..."
         fields = "; ".join(".".join(e["loc"]) or e["msg"].removeprefix("Value error, ")
                            for e in errors) or "(job)"
+        # the memory planner's refusal brings its own hint: the changes that would fit
+        hint = result.get("hint")
         raise Unprocessable(
             errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
                         "type": "value_error"}],
+            str(hint) if isinstance(hint, str) and hint else
             f"fix the job field(s): {fields}; nothing was changed (the previous config stays)",
         )
     config = result.get("config")
     if not isinstance(config, dict):
         raise Unprocessable("the job validator returned no config", _HINT_FIX_CODE)
     text = yaml.safe_dump(config, sort_keys=False)
+    memory = result.get("memory")
+    if isinstance(memory, dict) and memory.get("fits") is False:
+        log.warning("memory planner: the job may not fit (memory_check: warn): peak ~%s GiB "
+                    "of %s GiB", memory.get("peak_gib"), memory.get("available_gib"))
     return ValidatedConfig(
         config=config, yaml_text=text, config_hash=config_hash(text),
         experiment_name=str(config.get("experiment_name") or ""), ajet_file=ajet_file,
         notes=[{k: str(n.get(k, "")) for k in ("field", "status", "reason")}
                for n in result.get("notes") or [] if isinstance(n, dict)],
+        memory=memory if isinstance(memory, dict) else None,
     )
 
 
 def _error(raw: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         return {"loc": [], "msg": str(raw), "type": "value_error"}
-    return {"loc": [str(p) for p in raw.get("loc") or []], "msg": str(raw.get("msg", "")),
-            "type": str(raw.get("type", "value_error"))}
+    error = {"loc": [str(p) for p in raw.get("loc") or []], "msg": str(raw.get("msg", "")),
+             "type": str(raw.get("type", "value_error"))}
+    if isinstance(raw.get("memory"), dict):  # the planner's estimate, term by term
+        error["memory"] = raw["memory"]
+    return error
 
 
 def is_inside(path: Path, root: Path) -> bool:

@@ -302,7 +302,7 @@ class EngineController:
         self._replenish_standby()  # a start is likely to follow
         return ConfigAccepted(config_hash=checked.config_hash,
                               experiment_name=checked.experiment_name, config=checked.config,
-                              notes=checked.notes)
+                              notes=checked.notes, memory=checked.memory)
 
     def current_config(self) -> ConfigAccepted | None:
         """The stored job (what the next start uses), or None if none was ever sent."""

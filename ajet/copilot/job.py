@@ -213,6 +213,18 @@ class AgentJetJob(BaseModel):
         description="Optimizer steps per batch and epoch: the batch's task groups are "
                     "split into this many mini-batches, each one optimizer step")
 
+    # --- the memory planner (issue 21: ajet/engine/memory_plan.py, docs/distributed.md)
+    gpu_memory_gb: float = Field(
+        default_factory=lambda: _default("gpu_memory_gb"), gt=0, le=100_000,
+        description="Memory of one GPU in GiB, used by the memory planner where no GPU is "
+                    "visible when the config is checked (no nvidia-smi); visible GPUs are "
+                    "measured instead")
+    memory_check: Literal["refuse", "warn"] = Field(
+        default_factory=lambda: _default("memory_check"),
+        description="A job the memory planner estimates will not fit is refused (422, with "
+                    "the estimate and the changes that fit), or only warned about ('warn': "
+                    "accepted, the warning in the config response and the engine log)")
+
     @model_validator(mode="before")
     @classmethod
     def _lora_learning_rate(cls, data: Any) -> Any:

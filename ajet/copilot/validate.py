@@ -4,30 +4,53 @@ Both forms are read: this project's flat YAML and the original AgentJet's nested
 tree (converted by `ajet.copilot.nested_config`), so the conversion, too, runs from the
 active snapshot. `notes` lists settings accepted without effect here.
 
+After the fields, the memory planner (`ajet/engine/memory_plan.py`, no torch) estimates
+the job's peak memory per GPU from the checkpoint's `config.json`; a job that will not fit
+is refused here, before anything starts, with the estimate by term, the memory available
+and the smallest changes that fit (`memory_check: warn` accepts it with the estimate).
+
 The swarm server runs this from the active snapshot in a short subprocess, so a synced
-change to the job schema takes effect (DESIGN.md). Prints one JSON object to stdout:
-`{"ok": true, "config": {...}, "notes": [...]}` or `{"ok": false, "message": ..., "errors": [...]}`.
+change to the job schema, the conversion or the planner takes effect (DESIGN.md). Prints
+one JSON object to stdout: `{"ok": true, "config": {...}, "notes": [...], "memory": {...}
+| null}` or `{"ok": false, "message": ..., "errors": [...], "hint"?: ...}`.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 import ajet
 from ajet.copilot.job import AgentJetJob, JobValidationError
+from ajet.engine.memory_plan import plan_job
 
 
-def main() -> int:
-    text = sys.stdin.read()
+def check(text: str) -> dict[str, Any]:
+    """The validator's answer for one job YAML (see the module docstring)."""
+    where = {"ajet_file": ajet.__file__}
     try:
         job = AgentJetJob.from_yaml(text)
     except JobValidationError as exc:
-        json.dump({"ok": False, "message": str(exc), "errors": exc.errors,
-                   "ajet_file": ajet.__file__}, sys.stdout)
-        return 0
-    json.dump({"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes(),
-               "ajet_file": ajet.__file__}, sys.stdout)
+        return {"ok": False, "message": str(exc), "errors": exc.errors, **where}
+    try:
+        plan = plan_job(job)
+    except ValueError as exc:  # a config.json the planner cannot read
+        return {"ok": False, "message": f"model: {exc}", **where,
+                "errors": [{"loc": ["model"], "msg": str(exc), "type": "value_error"}]}
+    memory = plan.to_dict() if plan is not None else None
+    if plan is not None and not plan.fits and job.memory_check == "refuse":
+        return {"ok": False, "message": plan.summary(), **where,
+                "errors": [{"loc": [], "msg": plan.render(), "type": "memory_estimate",
+                            "memory": memory}],
+                "hint": (f"{plan.hint()}; or set memory_check: warn to start it anyway; "
+                         "nothing was changed (the previous config stays)")}
+    return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes(),
+            "memory": memory, **where}
+
+
+def main() -> int:
+    json.dump(check(sys.stdin.read()), sys.stdout)
     return 0
 
 

@@ -1,8 +1,9 @@
 """The AgentJet training engine: run as `python -m ajet.engine` by the swarm server.
 
 This package is the only place that imports torch and transformers, and only in its
-submodules: importing `ajet.engine` itself stays light, so `python -m ajet.engine` can
-fix `sys.path` (the active snapshot first) before anything heavy is loaded.
+submodules (`memory_plan`, `config` and `tiny` import neither): importing `ajet.engine`
+itself stays light, so `python -m ajet.engine` can fix `sys.path` (the active snapshot
+first) before anything heavy is loaded.
 
 Modules, one noun each (read in this order):
 
@@ -27,6 +28,9 @@ Modules, one noun each (read in this order):
     lora.py         LoRA adapters through peft
     learner.py      optimizer and the update over ppo_epochs and mini-batches
     metrics.py      metrics.jsonl
+    memory_plan.py  the memory planner: per-GPU estimate from config.json (no torch),
+                    run at config time by ajet/copilot/validate.py and logged at boot
+    peak_memory.py  the measured peak memory on each metrics line
     checkpoints.py  Hugging Face checkpoint directories and the sharded training state
     trainer.py      the step loop (ROLLING -> ROLLING_POST -> WEIGHT_SYNCING)
     distributed.py  several processes under torchrun: rank 0, FSDP2, the collectives

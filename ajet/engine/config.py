@@ -6,7 +6,10 @@ dtype, CPU threads, generation batch, episode slots, ...). Both live in the sync
 snapshot, so a researcher who patches a default here changes the next run.
 
 This module imports no torch: the caller passes what the machine has
-(`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere.
+(`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere. Nor does it
+import the job model (pydantic, yaml) until `load_engine_config` reads a YAML file:
+`engine_config_from_job` reads the job's fields by name, so `bench/gpu_check.py` builds
+an `EngineConfig` on a host with only torch, transformers and peft.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ajet.copilot.job import AgentJetJob
+if TYPE_CHECKING:
+    from ajet.copilot.job import AgentJetJob
 
 __all__ = [
     "BackendDefaults",
     "EngineConfig",
     "describe",
     "engine_config_from_job",
+    "episodes_in_flight",
     "load_engine_config",
 ]
 
@@ -139,6 +144,13 @@ class EngineConfig:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
+def episodes_in_flight(job: Any, backend: BackendDefaults) -> int:
+    """Episodes open at once (`EngineConfig.max_in_flight`; the memory planner sizes the
+    KV cache from it too): the original's `max_env_worker` when given, else the batch."""
+    return getattr(job, "max_env_worker", None) or max(
+        1, round(job.batch_size * job.num_repeat * backend.in_flight_factor))
+
+
 def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: int,
                            backend: BackendDefaults | None = None) -> EngineConfig:
     """Convert a job; raises `ValueError` naming the field when the machine cannot run it."""
@@ -194,9 +206,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         activation_checkpointing=(on_gpu if job.activation_checkpointing == "auto"
                                   else bool(job.activation_checkpointing)),
         cpu_threads=max(1, min(threads, cpu_count)),
-        # the original's max_env_worker, when given, is the number of episodes open at once
-        max_in_flight=job.max_env_worker or max(
-            1, round(job.batch_size * job.num_repeat * backend.in_flight_factor)),
+        max_in_flight=episodes_in_flight(job, backend),
         max_generation_batch=backend.max_generation_batch,
         generation_backend=backend.generation_backend,
         cpu_kv_cache_mb=backend.cpu_kv_cache_mb,
@@ -216,6 +226,8 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
 def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tuple[AgentJetJob,
                                                                                     EngineConfig]:
     """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
+    from ajet.copilot.job import AgentJetJob
+
     job = AgentJetJob.load_yaml(path)
     return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -62,6 +63,10 @@ class Dist:
     local_rank: int = 0
     #: where the shards live: "cuda" with NCCL, "cpu" with gloo (even on a GPU machine)
     device_type: str = "cpu"
+    #: a process group even with one rank, so FSDP2 and the collectives run through
+    #: torch.distributed (`bench/gpu_check.py` exercises FSDP2 and NCCL on one GPU);
+    #: otherwise one process never shards
+    single_rank_group: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -69,7 +74,7 @@ class Dist:
 
     @property
     def active(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.single_rank_group
 
     def broadcast(self, obj: T | None) -> T:
         """Rank 0's `obj` on every rank (others pass None)."""
@@ -179,11 +184,19 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
-def init_distributed(*, on_gpu: bool) -> Dist:
-    """Join the process group `torchrun` set up, or return the single-process `Dist`."""
+def init_distributed(*, on_gpu: bool, single_rank_group: bool = False) -> Dist:
+    """Join the process group `torchrun` set up, or return the single-process `Dist`.
+
+    `single_rank_group` makes a one-process group of one rank instead (on a free local
+    port unless MASTER_ADDR/MASTER_PORT are set), so that FSDP2 shards over it.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    if world_size <= 1 and not single_rank_group:
         return Dist()
+    if world_size <= 1:
+        os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
@@ -191,7 +204,14 @@ def init_distributed(*, on_gpu: bool) -> Dist:
     torch_dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
     log.info("rank %d of %d joined (%s, local rank %d)", rank, world_size, backend, local_rank)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
-                device_type="cuda" if on_gpu else "cpu")
+                device_type="cuda" if on_gpu else "cpu",
+                single_rank_group=world_size <= 1)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def start_orphan_watchdog(interval_s: float = 0.5) -> None:

@@ -38,6 +38,7 @@ __all__ = [
     "CachePlan",
     "CacheTooSmall",
     "ModelGeometry",
+    "generation_concurrency",
     "plan_cpu_cache",
     "plan_gpu_cache",
 ]
@@ -112,6 +113,12 @@ class CachePlan:
         return (f"KV cache on {self.device}: {capacity}, pages of {self.page_size} tokens, "
                 f"up to {self.max_batch_tokens or 'default'} tokens and "
                 f"{self.max_requests_per_batch} requests per forward pass")
+
+
+def generation_concurrency(max_generation_batch: int, max_in_flight: int) -> int:
+    """Requests one rank's cache is sized for: the episodes open at once, at most
+    `max_generation_batch` (the engine's generator and the memory planner both use it)."""
+    return max(1, min(max_generation_batch, max_in_flight))
 
 
 def _blocks(requests: int, request_tokens: int, page_size: int) -> int:

@@ -108,13 +108,14 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.episodes import EpisodeRegistry
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
+    from ajet.engine.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy, resolve_model_path
     from ajet.engine.ranks import RankService, connect_ranks
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    _job, cfg = load_engine_config(args.config, cuda_devices=torch.cuda.device_count(),
+    job, cfg = load_engine_config(args.config, cuda_devices=torch.cuda.device_count(),
                                   cpu_count=os.cpu_count() or 1)
     log.info("config: %s", cfg.to_json())
     torch.set_num_threads(cfg.cpu_threads)
@@ -150,13 +151,16 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         ajet_files = dist.gather(ajet_file)
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
+        memory = PeakMemory(policy.device, planned_bytes=_log_memory_plan(job, policy.device)
+                            if dist.is_main else None)
+        memory.mark_loaded(policy.model)  # CPU: the peak counts what training and generation add
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
         # Everything loaded so far lives until exit: freezing it keeps each garbage
         # collection short (transformers collects whenever the generator rebuilds its
         # KV cache, once a step; without this each takes ~0.2 s here).
         gc.freeze()
-        local = _local_generator(cfg, policy)
+        local = build_generator(cfg, policy)
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
         if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
@@ -174,7 +178,8 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
                  dist.world_size)
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                              metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
-                             started=started, dist=dist, generator=routed or local)
+                             started=started, dist=dist, generator=routed or local,
+                             memory=memory)
         steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
@@ -199,8 +204,11 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     return 0
 
 
-def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
-    """This rank's generator: the backend `generation_backend` (or the env) names."""
+def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
+    """This rank's generator: the backend `generation_backend` (or the env) names.
+
+    `bench/gpu_check.py` and `bench/memory_plan_probe.py` generate with it too, and the
+    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`)."""
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
         from ajet.engine.recompute import RecomputeGenerator
@@ -213,13 +221,40 @@ def _local_generator(cfg: EngineConfig, policy: Policy) -> Generator:
         raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
                          "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
     from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.kv_cache import generation_concurrency
 
     return ContinuousBatchingGenerator(
         model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
         max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
         seed=cfg.seed, cache=CacheSettings(
             max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
-            concurrency=max(1, min(cfg.max_generation_batch, cfg.max_in_flight)),
+            concurrency=generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight),
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,
             prefix_sharing=cfg.prefix_sharing))
+
+
+def _log_memory_plan(job: object, device: object) -> int | None:
+    """Log the memory planner's estimate for this job on this device; the bytes the
+    metrics' `peak_memory_mb` should come to (`planned_peak_mb`), or None."""
+    import torch
+
+    from ajet.engine.memory_plan import Available, JobView, detect_available, plan_job
+
+    view = JobView.from_job(job)
+    dev = torch.device(str(device))
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        available = Available(int(props.total_memory), f"torch.cuda: {props.name}")
+    else:
+        available = detect_available(view)
+    try:
+        plan = plan_job(job, available=available)
+    except ValueError as exc:  # an unusual config.json: the engine runs without a plan
+        log.warning("memory plan: no estimate (%s)", exc)
+        return None
+    if plan is None:
+        return None
+    log.log(logging.INFO if plan.fits else logging.WARNING, "%s\n%s", plan.summary(),
+            plan.render())
+    return plan.comparable_bytes()

@@ -34,7 +34,7 @@ from pathlib import Path
 from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE
 
 __all__ = ["TINY_MODEL_NAME", "TinySpec", "build_tiny_checkpoint", "ensure_tiny_model",
-           "tiny_model_dir"]
+           "tiny_model_dir", "tiny_vocab_size"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,11 @@ class TinySpec:
     #: Std of the normal init. Small, so the untrained policy is close to uniform over
     #: the characters (exploration for RL from scratch).
     initializer_range: float = 0.02
+
+
+def tiny_vocab_size() -> int:
+    """The tokenizer's (and the model's) vocabulary: the special tokens and the alphabet."""
+    return len(_SPECIAL_TOKENS) + len(_ALPHABET_BYTES)
 
 
 def _fingerprint(seed: int, spec: TinySpec) -> str:

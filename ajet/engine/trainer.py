@@ -43,6 +43,7 @@ from ajet.engine.episodes import EpisodeRegistry, Group
 from ajet.engine.inference import Generator
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.metrics import MetricsWriter, step_metrics
+from ajet.engine.peak_memory import PeakMemory
 from ajet.engine.policy import Policy
 from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
@@ -67,6 +68,8 @@ class TrainerParts:
     dist: Dist
     #: this rank's generator, paused around each update (None: nothing generates here)
     generator: Generator | None = None
+    #: the measured peak memory and the planner's estimate, on every metrics line
+    memory: PeakMemory | None = None
 
 
 def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
@@ -117,6 +120,8 @@ def train(parts: TrainerParts) -> int:
         line = step_metrics(step=step, episodes=episodes, rewards=rewards, update=update,
                             groups=len(groups), step_time_s=now - step_start,
                             wall_time_s=now - parts.started)
+        if parts.memory is not None:
+            line.update(parts.memory.fields())
         parts.metrics.write(line)
         log.info("step %d: reward %.3f, loss %.4f, %d episodes, %.2f s", step,
                  line["reward_mean"], line["loss"], line["episodes"], line["step_time_s"])

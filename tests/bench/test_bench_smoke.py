@@ -124,6 +124,12 @@ def test_train_memory(ctx: BenchContext) -> None:
     assert shards.ratio is not None and shards.ratio < 0.6  # bytes, not timings: exact
 
 
+@pytest.mark.slow
+def test_memory_plan(ctx: BenchContext) -> None:
+    rows = _run_module("memory_plan", ctx)
+    assert len(rows) == 4 and all(r.reference and r.reference > 0 for r in rows)
+
+
 def test_cli_prints_one_table_writes_it_and_reports_a_failed_module(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

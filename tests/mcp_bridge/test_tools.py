@@ -133,6 +133,9 @@ def test_a_crash_at_boot_is_an_error_with_reason_and_log_tail(
     status = tools.engine_status(bridge)
     assert status.engine_state == "ENGINE.OFFLINE" and status.last_error is not None
     assert "the last run failed" in status.message
+    # the recovery, in call order: read the log, fix and resync or roll back, start again
+    assert "Next: read last_error.log_tail and read_logs" in status.message
+    assert status.message.index("activate_snapshot") < status.message.index("start_engine")
 
 
 def test_snapshots_and_rollback(bridge: Bridge, repo: Path) -> None:

@@ -150,6 +150,10 @@ def test_a_step_closes_claims_drains_trains_and_writes_metrics(engine: EngineHan
     line = json.loads(metrics.read_text().splitlines()[-1])
     assert set(REQUIRED_FIELDS) <= set(line)
     assert line["episodes"] == 2 and line["reward_mean"] == 0.5
+    # the measured peak above the loaded model, next to the planner's estimate of it,
+    # which the engine logged at boot (docs/distributed.md, "How the planner counts")
+    assert 0 < line["peak_memory_mb"] < 600 and line["planned_peak_mb"] > 0
+    assert "memory plan: fits" in engine.log() and "AdamW moments (fp32)" in engine.log()
     report = wait_for_state(engine, "ENGINE.ROLLING", timeout=30)
     assert report["step"] >= 1
     assert (engine.run_dir / "checkpoints" / f"step_{line['step']}" / "config.json").is_file()
