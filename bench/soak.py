@@ -9,12 +9,16 @@ the ledger consistent); `bench/bench_soak.py` runs it and reports the `/health` 
 and the server's memory growth. What runs, on loopback only, bounded in time:
 
 - `workers` rollout workers: begin, chat, end with a random reward, or abort (a random
-  share), or hang past the episode timeout so the engine re-queues the claim;
+  share), or hang past the episode timeout so the engine re-queues the claim; the chats
+  of a share of the episodes offer a tool (`ADD_TOOL`), and any tool call that comes
+  back is answered with a `tool` message in the next chat;
 - pollers: `get_engine_status`, the current run's metrics and log tail (worker token);
 - `/health` every 0.1 s from a process of its own (an answer within 5 s or it counts
   as a wedge), and the server's resident memory every 0.5 s;
 - at `sync_at_s`, a one-file edit synced with `force_restart` (a new engine run);
-- the hostile requests of the review, each checked against the answer it must get.
+- the hostile requests of the review, each checked against the answer it must get
+  (among them a chat over the engine's size bound with a valid episode key: a 413 that
+  names the bound, within `WEDGE_S`).
 
 Every episode a worker began ends in one outcome with a reason: `ended` (the engine took
 its reward), `aborted`, `requeued` (the engine timed it out and freed its slot), or
@@ -73,6 +77,14 @@ with httpx.Client(timeout=%r) as http:
 #: begin/abort pairs of the churn attack (the gateway table must not grow with them)
 CHURN = 50
 _STOP_LINE = re.compile(r"episodes at stop: (\{.*\})")
+#: The function a share of the soak's chats offer (OpenAI function calling, issue 15).
+ADD_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "required": ["a", "b"], "properties": {
+        "a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+#: An oversized chat's content: over the engine's chat bound (8 x max_prompt_length +
+#: 64 KiB) whatever the tiny job's prompt length, under the server's max_json_bytes.
+OVERSIZED_CHAT_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,8 @@ class SoakConfig:
     sync_at_s: float | None = 10.0
     abort_share: float = 0.15
     hang_share: float = 0.06
+    #: the share of episodes whose chats offer a tool (`ADD_TOOL`)
+    tool_share: float = 0.3
     #: the job's `episode_timeout_s` (a hang sleeps past it)
     episode_timeout_s: float = 2.0
     #: the server's `AJET_SWARM_HEADER_TIMEOUT_S`
@@ -145,6 +159,9 @@ class SoakReport:
     polls: Counter[int] = field(default_factory=Counter)
     rss_mb: list[float] = field(default_factory=list)
     hostile: list[Hostile] = field(default_factory=list)
+    #: chats answered 200 that offered `ADD_TOOL`, and tool calls answered in them
+    tool_chats: int = 0
+    tool_calls: int = 0
     sync: CodeSyncResult | None = None
     runs: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -241,12 +258,13 @@ class _Soak:
         r = http.get(f"{self.t.url}/get_engine_status", headers=self.wrk)
         return r.json().get("run_id") if r.status_code == 200 else None
 
-    def chat_body(self, task: str) -> dict[str, Any]:
-        # TOOL CALLS (issue 15, function calling): the episode plane does not take `tools`
-        # yet. When it does, send them with a share of these chats and answer the
-        # `tool_calls` that come back with `tool` messages before ending the episode.
-        return {"model": "ajet-tiny", "max_tokens": 4,
-                "messages": [{"role": "user", "content": f"{task}: add 2 and 3"}]}
+    def chat_body(self, messages: list[dict[str, Any]], *, tools: bool) -> dict[str, Any]:
+        """A chat of the conversation so far; with `tools`, the `add` function offered
+        (issue 15). The tiny model's replies need not call it."""
+        body: dict[str, Any] = {"model": "ajet-tiny", "max_tokens": 4, "messages": messages}
+        if tools:
+            body["tools"] = [ADD_TOOL]
+        return body
 
     def close(self, http: httpx.Client, path: str, body: dict[str, Any], episode: Episode
               ) -> None:
@@ -278,13 +296,21 @@ class _Soak:
             time.sleep(self.c.episode_timeout_s + 1.0)  # the worker went quiet
         task = f"task-{int(self.roll() * self.c.tasks)}"
         key = {"Authorization": f"Bearer {data['openai_api_key']}"}
+        tools = self.roll() < self.c.tool_share
+        messages: list[dict[str, Any]] = [{"role": "user", "content": f"{task}: add 2 and 3"}]
         for _ in range(1 + int(self.roll() * 2)):
             r = http.post(f"{data['openai_base_url']}/chat/completions",
-                          json=self.chat_body(task), headers=key)
+                          json=self.chat_body(messages, tools=tools), headers=key)
             if r.status_code >= 500:
                 self.error(f"chat answered {r.status_code}: {r.text[:300]}")
             if r.status_code != 200:
                 break  # 401: the episode is gone (timed out, run restarted); end says which
+            answered = _answered(r.json()["choices"][0]["message"])
+            messages += answered
+            if tools:
+                with self.lock:
+                    self.report.tool_chats += 1
+                    self.report.tool_calls += len(answered) - 1
         reward = round(self.roll(), 3)
         self.close(http, "/end_episode", {
             "episode_uuid": episode.uuid, "task_id": task, "reward": reward,
@@ -452,6 +478,29 @@ class _Soak:
                     n += 1
             return "churned" if n else "no episode"  # fewer than CHURN: the soak ended first
 
+        def oversized_chat() -> str:
+            with httpx.Client(timeout=60) as http:
+                data = self.begin(http, until=self.stop.is_set, backoff_s=0.01)
+                if data is None:
+                    return "no episode"
+                t0 = time.monotonic()
+                r = http.post(f"{data['openai_base_url']}/chat/completions", headers={
+                    "Authorization": f"Bearer {data['openai_api_key']}"}, json={
+                    "model": "ajet-tiny", "max_tokens": 4, "messages": [
+                        {"role": "user", "content": "x" * OVERSIZED_CHAT_BYTES}]})
+                took = time.monotonic() - t0
+                health = http.get(f"{url}/health").status_code
+                episode = Episode(run_id=data.get("run_id"), uuid=data["episode_uuid"],
+                                  outcome="?")
+                self.close(http, "/abort_episode", {"episode_uuid": episode.uuid}, episode)
+            detail = str(r.json().get("detail", "")) if r.headers.get(
+                "content-type", "").startswith("application/json") else r.text[:200]
+            if r.status_code != 413 or "chat bound" not in detail:
+                return f"{r.status_code}: {detail[:200]}"
+            if took > WEDGE_S:
+                return f"413 after {took:.1f} s"
+            return f"413 naming the chat bound, health {health}"
+
         def worker_reads_no_diff() -> str:
             run = httpx.get(f"{url}/runs/current", headers=wrk, timeout=60).json()
             prov = run.get("provenance")
@@ -470,8 +519,8 @@ class _Soak:
              anonymous_chat_uploads),
             ("50 connections that never finish their headers", "50 closed",
              unfinished_headers),
-            # OVERSIZED CHAT WITH A VALID KEY (issue 20 point 3, the chat-size bound): add it
-            # here, expecting 413 quickly, once the episode plane checks the size first.
+            (f"{OVERSIZED_CHAT_BYTES >> 20} MiB chat with a valid episode key, then /health",
+             "413 naming the chat bound, health 200", oversized_chat),
         ]
         if self.c.sync_at_s is not None:
             attacks.append(("worker GET /runs/current after the sync: provenance",
@@ -556,6 +605,24 @@ def _open_stalled(port: int, path: str, headers: dict[str, str], declared: int
     s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{head}Content-Type: application/json\r\n"
               f"Content-Length: {declared}\r\n\r\n".encode() + b"{" * 1024)
     return s
+
+
+def _answered(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The assistant's turn, and a `tool` answer to each of its tool calls (the sum)."""
+    turn: dict[str, Any] = {"role": "assistant", "content": message.get("content") or ""}
+    calls = message.get("tool_calls") or []
+    if not calls:
+        return [turn]
+    turn["tool_calls"] = calls
+    answers = []
+    for call in calls:
+        try:
+            args = json.loads(call["function"]["arguments"])
+            result = str(int(args["a"]) + int(args["b"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            result = f"error: {exc}"
+        answers.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return [turn, *answers]
 
 
 def _status_of(s: socket.socket) -> str:

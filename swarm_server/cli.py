@@ -105,9 +105,13 @@ def _start(args: argparse.Namespace) -> int:
     pid_file = workdir / "swarm_server.pid"
     pid_file.write_text(str(os.getpid()))
     try:
+        # loop "auto": uvloop where it is installed (the server extra has it, but on
+        # Windows), else asyncio; the protocol: httptools where installed, else h11
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=30,
-                    http=with_header_timeout(settings.header_timeout_s),
+                    timeout_graceful_shutdown=30, loop="auto",
+                    http=with_header_timeout(settings.header_timeout_s,
+                                             max_header_bytes=settings.max_header_bytes,
+                                             parser=settings.http_parser),
                     h11_max_incomplete_event_size=settings.max_header_bytes)
     finally:
         if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):

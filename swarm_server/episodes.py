@@ -23,10 +23,13 @@ table no longer knows, or knows as closed, is forwarded to the engine, which rem
 closed episodes and answers 409 ("already ended", "timed out") or 404 itself. Pruning
 runs when the step changes or the table is full: amortised O(1) per call.
 
-One `httpx.AsyncClient` over the socket per engine run. Engine errors keep their
-status and `{"detail", "hint"}`; an engine that does not answer is a 409 (it is
-stopping or crashed: `get_engine_status` says which). Every method runs on the event
-loop thread, so the table needs no lock.
+One `EngineChannel` (`swarm_server.engine_channel`: keep-alive connections, replies
+parsed by httptools) over the socket per engine run. Chat bodies are forwarded as the
+bytes the client sent and the engine's replies relayed as the bytes it answered (never
+parsed here); begin, end and abort bodies are the validated models, serialised once by
+pydantic-core. Engine errors keep their status and `{"detail", "hint"}`; an engine that
+does not answer is a 409 (it is stopping or crashed: `get_engine_status` says which).
+Every method runs on the event loop thread, so the table needs no lock.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import httpx
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
 from ajet.protocol import (
@@ -52,6 +55,7 @@ from ajet.protocol import (
     EndEpisodeResponse,
     EngineState,
 )
+from swarm_server.engine_channel import ChannelError, EngineChannel, Reply
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
 from swarm_server.errors import (
     ApiError,
@@ -115,22 +119,22 @@ class EpisodeGateway:
         self.engine = engine
         self.signer = EpisodeKeySigner(ttl_s=settings.episode_key_ttl_s)
         self._episodes: dict[str, _Entry] = {}
-        self._client: httpx.AsyncClient | None = None
-        self._client_for: tuple[str, Path] | None = None
+        self._channel: EngineChannel | None = None
+        self._channel_for: tuple[str, Path] | None = None
         self._pruned_at_step = 0
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client, self._client_for = None, None
+        if self._channel is not None:
+            self._channel.close()
+            self._channel, self._channel_for = None, None
 
     # ------------------------------------------------------------------ routes
 
     async def begin(self, body: BeginEpisodeRequest, *, public_base_url: str
                     ) -> BeginEpisodeResponse:
-        run_id, client = await self._target("begin_episode")
+        run_id, channel = self._target("begin_episode")
         self._make_room()
-        data = await self._post_json(client, "/begin_episode", body.model_dump(mode="json"))
+        data = await self._post_json(channel, "/begin_episode", body)
         episode_uuid = str(data["episode_uuid"])
         key, expires_at = self.signer.sign(run_id, episode_uuid)
         timeout_s = data.get("timeout_s")
@@ -145,9 +149,9 @@ class EpisodeGateway:
     async def end(self, body: EndEpisodeRequest) -> EndEpisodeResponse:
         self._check_values(body)
         entry = self._live_entry(body.episode_uuid)
-        _, client = await self._target("end_episode")
+        _, channel = self._target("end_episode")
         try:
-            data = await self._post_json(client, "/end_episode", body.model_dump(mode="json"))
+            data = await self._post_json(channel, "/end_episode", body)
         except EngineRelayedError as exc:
             if exc.status in (404, 409):  # the engine closed it (timed out, aborted)
                 self._close(entry)
@@ -157,9 +161,9 @@ class EpisodeGateway:
 
     async def abort(self, body: AbortEpisodeRequest) -> dict[str, Any]:
         entry = self._live_entry(body.episode_uuid)
-        _, client = await self._target("abort_episode")
+        _, channel = self._target("abort_episode")
         try:
-            data = await self._post_json(client, "/abort_episode", body.model_dump(mode="json"))
+            data = await self._post_json(channel, "/abort_episode", body)
         except EngineRelayedError as exc:
             if exc.status in (404, 409):
                 self._close(entry)
@@ -171,45 +175,43 @@ class EpisodeGateway:
         """The episode a `/v1/*` key names, or 401 (for routes that forward nothing)."""
         return self.check_key(key)
 
-    async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None,
-                     content_type: str | None) -> Response:
-        """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names."""
+    async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None
+                     ) -> Response:
+        """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names:
+        the body as the client sent it, the engine's answer as it came (streamed on)."""
         episode_uuid = self.check_key(key)
         entry = self._episodes[episode_uuid]
         entry.last_active, entry.step = time.monotonic(), self._step()
-        _, client = await self._target("chat")
-        headers = {"X-Episode-UUID": episode_uuid}
-        if body is not None:
-            headers["Content-Type"] = content_type or "application/json"
-        request = client.build_request(method, path, content=body, headers=headers)
+        _, channel = self._target("chat")
         try:
-            response = await client.send(request, stream=True)
-        except httpx.TransportError as exc:
+            reply = await channel.send(method, path, body,
+                                       headers=(("x-episode-uuid", episode_uuid),))
+        except ChannelError as exc:
             raise self._unreachable("chat", exc) from exc
-        if response.status_code == 200 and response.headers.get(
+        if reply.status == 200 and reply.headers.get(
                 "content-type", "").startswith("text/event-stream"):
-            return StreamingResponse(response.aiter_raw(), status_code=200,
+            return StreamingResponse(reply.chunks(), status_code=200,
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"},
-                                     background=BackgroundTask(response.aclose))
+                                     background=BackgroundTask(reply.close))
         try:
-            content = await response.aread()
-        except httpx.TransportError as exc:
+            content = await reply.read()
+        except ChannelError as exc:
             raise self._unreachable("chat", exc) from exc
         finally:
-            await response.aclose()
+            reply.close()
         entry.last_active = time.monotonic()
-        if response.status_code == 200:
+        if reply.status == 200:
             return Response(content, status_code=200, media_type="application/json")
         detail, _, _ = _error_parts(content)
-        if response.status_code == 404 and path.startswith("/v1/models/"):
-            raise self._relay(404, content, response.headers)  # an unknown model name
-        if response.status_code in (404, 409):  # the episode closed in the engine
+        if reply.status == 404 and path.startswith("/v1/models/"):
+            raise self._relay(reply, content)  # an unknown model name
+        if reply.status in (404, 409):  # the episode closed in the engine
             entry.ended = True
             raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",
                                "call begin_episode for a new episode and use its key",
                                headers=_CHALLENGE)
-        raise self._relay(response.status_code, content, response.headers)
+        raise self._relay(reply, content)
 
     async def engine_call(self, method: str, path: str,
                           payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -222,17 +224,18 @@ class EpisodeGateway:
         socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
         if socket_path is None or run_id is None:
             return None
-        _, client = await self._target(path.strip("/"))
+        action = path.strip("/")
+        _, channel = self._target(action)
+        body = None if method == "GET" else json.dumps(payload or {}).encode()
         try:
-            response = await (client.get(path) if method == "GET"
-                              else client.post(path, json=payload or {}))
-        except httpx.TransportError as exc:
-            raise self._unreachable(path.strip("/"), exc) from exc
-        if response.status_code == 404:
+            reply, content = await channel.request(method, path, body)
+        except ChannelError as exc:
+            raise self._unreachable(action, exc) from exc
+        if reply.status == 404:
             return None  # an engine from code that predates these routes: the defaults
-        if response.status_code != 200:
-            raise self._relay(response.status_code, response.content, response.headers)
-        data = response.json()
+        if reply.status != 200:
+            raise self._relay(reply, content)
+        data = json.loads(content)
         return data if isinstance(data, dict) else None
 
     def check_key(self, key: str | None) -> str:
@@ -311,7 +314,7 @@ class EpisodeGateway:
                 f"runs {current or 'nothing'}", "its reward cannot be used; begin a new episode")
         return entry
 
-    async def _target(self, action: str) -> tuple[str, httpx.AsyncClient]:
+    def _target(self, action: str) -> tuple[str, EngineChannel]:
         socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
         if socket_path is None or run_id is None:
             state = self.engine.state
@@ -321,32 +324,33 @@ class EpisodeGateway:
                 if state == EngineState.OFFLINE else
                 "retry in about 1 s; episodes are served once the engine is ENGINE.ROLLING",
                 headers={"Retry-After": "1"})
-        if self._client is None or self._client_for != (run_id, socket_path):
-            await self.aclose()
-            self._client = httpx.AsyncClient(
-                transport=httpx.AsyncHTTPTransport(uds=str(socket_path)),
-                base_url="http://engine", timeout=self.settings.engine_request_timeout_s)
-            self._client_for = (run_id, socket_path)
+        if self._channel is None or self._channel_for != (run_id, socket_path):
+            if self._channel is not None:  # idle connections of the old run: close them
+                self._channel.close()
+            self._channel = EngineChannel(socket_path,
+                                          timeout_s=self.settings.engine_request_timeout_s)
+            self._channel_for = (run_id, socket_path)
             # entries of earlier runs can never be used again
             self._episodes = {k: e for k, e in self._episodes.items() if e.run_id == run_id}
             self._pruned_at_step = 0
-        return run_id, self._client
+        return run_id, self._channel
 
-    async def _post_json(self, client: httpx.AsyncClient, path: str, payload: dict[str, Any]
+    async def _post_json(self, channel: EngineChannel, path: str, body: BaseModel
                          ) -> dict[str, Any]:
         try:
-            response = await client.post(path, json=payload)
-        except httpx.TransportError as exc:
+            reply, content = await channel.request("POST", path, to_json(body))
+        except ChannelError as exc:
             raise self._unreachable(path.strip("/"), exc) from exc
-        if response.status_code != 200:
-            raise self._relay(response.status_code, response.content, response.headers)
-        data = response.json()
+        if reply.status != 200:
+            raise self._relay(reply, content)
+        data = json.loads(content)
         if not isinstance(data, dict):
             raise EngineRelayedError(502, f"engine answered {path} with a non-object",
                                      "see GET /runs/current/logs")
         return data
 
-    def _relay(self, status: int, content: bytes, headers: Mapping[str, str]) -> ApiError:
+    def _relay(self, reply: Reply, content: bytes) -> ApiError:
+        status, headers = reply.status, reply.headers
         detail, hint, param = _error_parts(content)
         if status >= 500:
             log.warning("engine answered %d: %s", status, detail)
@@ -357,9 +361,10 @@ class EpisodeGateway:
         extra = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else None
         return EngineRelayedError(status, detail, hint, headers=extra, param=param)
 
-    def _unreachable(self, action: str, exc: Exception) -> EngineStateError:
+    def _unreachable(self, action: str, exc: ChannelError) -> EngineStateError:
+        log.info("engine did not answer %s: %s", action, exc)
         return EngineStateError(
-            f"engine did not answer {action} ({type(exc).__name__}); it is {self.engine.state}",
+            f"engine did not answer {action} ({exc.reason}); it is {self.engine.state}",
             "check get_engine_status; retry once the engine is ENGINE.ROLLING",
             headers={"Retry-After": "1"})
 

@@ -28,6 +28,7 @@ the message, next to `detail` and `hint`.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -48,8 +49,10 @@ __all__ = [
     "RequestTimeout",
     "Unauthorized",
     "Unprocessable",
+    "error_response",
     "install_error_handlers",
     "openai_error_body",
+    "validation_error_response",
 ]
 
 log = logging.getLogger(__name__)
@@ -148,34 +151,37 @@ class EarlyRefusal(StarletteHTTPException):
         self.openai = openai
 
 
-def _render(exc: ApiError, *, openai: bool = False) -> JSONResponse:
+def error_response(exc: ApiError, *, openai: bool = False) -> JSONResponse:
+    """The response for `exc`: `{"detail", "hint"}`, OpenAI-shaped as well with `openai`."""
     body = (openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param) if openai
             else {"detail": exc.detail, "hint": exc.hint})
     return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
+def validation_error_response(errors: Sequence[Mapping[str, Any]]) -> JSONResponse:
+    """422 for request validation errors (pydantic's, `loc` starting with `body` ...)."""
+    detail = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""),
+               "type": e.get("type", "")} for e in errors]
+    fields = ", ".join(".".join(e["loc"][1:] or e["loc"]) for e in detail)
+    return JSONResponse(
+        {"detail": detail, "hint": f"fix the field(s): {fields}; see /docs for the schema"},
+        status_code=422,
+    )
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _render(exc)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [
-            {"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""),
-             "type": e.get("type", "")}
-            for e in exc.errors()
-        ]
-        fields = ", ".join(".".join(e["loc"][1:] or e["loc"]) for e in errors)
-        return JSONResponse(
-            {"detail": errors, "hint": f"fix the field(s): {fields}; see /docs for the schema"},
-            status_code=422,
-        )
+        return validation_error_response(exc.errors())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, EarlyRefusal):
-            return _render(exc.error, openai=exc.openai)
+            return error_response(exc.error, openai=exc.openai)
         hint = "see /docs for the routes" if exc.status_code in (404, 405) else ""
         return JSONResponse({"detail": exc.detail, "hint": hint}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

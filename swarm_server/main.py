@@ -20,6 +20,7 @@ from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
+from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
 from swarm_server.ledger import Ledger
@@ -86,6 +87,9 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(console_router)
     app.include_router(original.router)
     app.include_router(docs.router)
+    # The hot episode routes without FastAPI's routing (swarm_server.episode_lane), inside
+    # the limits gate: it sees only requests that passed the first gate.
+    app.add_middleware(EpisodeLane, routes=episodes.LANE_ROUTES, router=episodes.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, ctx=ctx)
     return app

@@ -10,6 +10,7 @@ import ipaddress
 import re
 import sys
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -136,6 +137,10 @@ class Settings(BaseSettings):
         default=10.0, gt=0, description="AJET_SWARM_HEADER_TIMEOUT_S: a connection whose "
         "request line and headers are not complete this long after they began (or after "
         "it opened) is closed (swarm_server.http_protocol)")
+    http_parser: Literal["auto", "httptools", "h11"] = Field(
+        default="auto", description="AJET_SWARM_HTTP_PARSER: uvicorn's request parser; auto "
+        "= httptools where installed (the server extra has it), else h11 "
+        "(swarm_server/http_protocol.py)")
     request_body_timeout_s: float = Field(
         default=60.0, gt=0, description="longest wait for the next chunk of a request body")
     engine_request_timeout_s: float = Field(default=120.0, gt=0)

@@ -10,6 +10,10 @@ begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
 completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
 the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
 its errors are OpenAI-shaped (`openai_error_body`) and keep `detail` and `hint`.
+
+The hot routes (`LANE_ROUTES`) are served by `swarm_server.episode_lane` without
+FastAPI's routing; their declarations here stay the source of their requirement and
+body bound, and their endpoints call the same handlers (`_begin`, `_end`, ...).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from ajet import original_wire
 from ajet.protocol import (
@@ -32,7 +36,9 @@ from ajet.protocol import (
 )
 from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
 from swarm_server.auth import bearer_token
+from swarm_server.context import ServerContext
 from swarm_server.deps import Ctx, WorkerAuth
+from swarm_server.episode_lane import LaneRoute
 from swarm_server.errors import (
     ApiError,
     NotFound,
@@ -61,8 +67,7 @@ async def begin_episode(
     body: Annotated[BeginEpisodeRequest | None, Body()] = None,
 ) -> BeginEpisodeResponse:
     """Claim an episode; returns its id and an OpenAI base URL and API key bound to it."""
-    return await ctx.episodes.begin(body or BeginEpisodeRequest(),
-                                    public_base_url=str(request.base_url))
+    return await _begin(ctx, request, body)
 
 
 @router.post("/end_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
@@ -70,7 +75,7 @@ async def end_episode(ctx: Ctx, _: WorkerAuth,
                       body: Annotated[EndEpisodeRequest | OriginalEnd, Body()]
                       ) -> EndEpisodeResponse:
     """Report an episode's reward; the engine trains on its group (not on an eval episode)."""
-    return await ctx.episodes.end(_converted(original_wire.end_request, body))
+    return await _end(ctx, None, body)
 
 
 @router.post("/abort_episode", responses=_ERRORS, dependencies=_EPISODE_BODY)
@@ -78,6 +83,25 @@ async def abort_episode(ctx: Ctx, _: WorkerAuth,
                         body: Annotated[AbortEpisodeRequest | OriginalEnd, Body()]
                         ) -> dict[str, Any]:
     """Give an episode up; `requeued` is true when another claim can start right away."""
+    return await _abort(ctx, None, body)
+
+
+# The work of the routes above (and of the chat routes below), shared by their FastAPI
+# endpoints and `EpisodeLane` (`LANE_ROUTES`): (ctx, request, parsed body).
+
+async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest | None
+                 ) -> BeginEpisodeResponse:
+    return await ctx.episodes.begin(body or BeginEpisodeRequest(),
+                                    public_base_url=str(request.base_url))
+
+
+async def _end(ctx: ServerContext, _: Request | None, body: EndEpisodeRequest | OriginalEnd
+               ) -> EndEpisodeResponse:
+    return await ctx.episodes.end(_converted(original_wire.end_request, body))
+
+
+async def _abort(ctx: ServerContext, _: Request | None,
+                 body: AbortEpisodeRequest | OriginalEnd) -> dict[str, Any]:
     return {**await ctx.episodes.abort(_converted(original_wire.abort_request, body)),
             "success": True}
 
@@ -192,8 +216,7 @@ async def _forward(ctx: Ctx, request: Request, authorization: str | None, path: 
     try:
         body = await _read_bounded(request, ctx.settings.max_json_bytes) if with_body else None
         return await ctx.episodes.openai(bearer_token(authorization), method=request.method,
-                                         path=path, body=body,
-                                         content_type=request.headers.get("content-type"))
+                                         path=path, body=body)
     except ApiError as exc:
         return _openai_error(exc)
 
@@ -215,3 +238,27 @@ async def _read_bounded(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"chat body is over {limit} bytes", "send a shorter conversation")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _forwarded(path: str) -> Any:
+    async def handler(ctx: ServerContext, request: Request, _: None) -> Response:
+        return await _forward(ctx, request, request.headers.get("authorization"), path)
+
+    return handler
+
+
+#: The hot routes `EpisodeLane` serves without FastAPI's routing and dependency solving
+#: (issue 23); the declarations above stay the source of their auth and body bounds.
+LANE_ROUTES = (
+    LaneRoute("POST", "/begin_episode", begin_episode, _begin,
+              body=TypeAdapter(BeginEpisodeRequest | None), required=False),
+    LaneRoute("POST", "/end_episode", end_episode, _end,
+              body=TypeAdapter(EndEpisodeRequest | OriginalEnd)),
+    LaneRoute("POST", "/abort_episode", abort_episode, _abort,
+              body=TypeAdapter(AbortEpisodeRequest | OriginalEnd)),
+    LaneRoute("POST", "/v1/chat/completions", chat_completions,
+              _forwarded("/v1/chat/completions"), openai=True),
+    LaneRoute("POST", "/v1/completions", completions, _forwarded("/v1/completions"),
+              openai=True),
+    LaneRoute("POST", "/v1/responses", responses, _forwarded("/v1/responses"), openai=True),
+)

@@ -88,6 +88,18 @@ def test_episodes(ctx: BenchContext) -> None:
     _run_module("episodes", ctx)
 
 
+def test_profile_summary_counts_own_and_inclusive_samples() -> None:
+    from bench.profile_episodes import top
+
+    raw = ("MainThread (1);run (main.py:10);serve (srv.py:3);send (ch.py:7) 6\n"
+           "MainThread (1);run (main.py:10);serve (srv.py:4) 2\n"
+           "poll (2);get (client.py:9) 2\n")
+    own, inclusive, total = top(raw)
+    assert total == 10
+    assert own == [("send (ch.py)", 6), ("serve (srv.py)", 2), ("get (client.py)", 2)]
+    assert set(inclusive[:2]) == {("run (main.py)", 8), ("serve (srv.py)", 8)}
+
+
 @pytest.mark.slow
 def test_restart(ctx: BenchContext) -> None:
     _run_module("restart", ctx)

@@ -245,3 +245,30 @@ def test_keep_alive_requests_are_not_cut_by_the_header_timer(srv: ServerHandle) 
         for _ in range(2):  # one connection, requests spaced past the header timeout
             assert http.get("/get_engine_status").status_code == 200
             time.sleep(HEADER_TIMEOUT_S * 1.3)
+
+
+def test_a_head_growing_past_the_header_bound_is_431_before_it_ends(srv: ServerHandle) -> None:
+    # httptools (the default parser) has no bound of its own on an unfinished head:
+    # http_protocol counts its bytes; the header timer alone would let it grow for 1 s
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+        t0 = time.monotonic()
+        s.sendall(b"p" * (MAX_HEADERS + 1024))  # and no end of the header
+        reply = _closed_by_server(s, HEADER_TIMEOUT_S + 10)
+        assert reply is not None and reply.startswith(b"HTTP/1.1 431"), reply
+        assert b"AJET_SWARM_MAX_HEADER_BYTES" in reply
+        assert time.monotonic() - t0 < HEADER_TIMEOUT_S  # the bound, not the timer
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
+def test_the_server_parses_with_httptools_unless_told_h11() -> None:
+    from swarm_server.http_protocol import (
+        HeaderTimeoutProtocol,
+        HttpToolsHeaderTimeoutProtocol,
+        with_header_timeout,
+    )
+
+    chosen = with_header_timeout(2.0, max_header_bytes=1234)
+    assert issubclass(chosen, HttpToolsHeaderTimeoutProtocol)
+    assert (chosen.header_timeout_s, chosen.max_header_bytes) == (2.0, 1234)
+    assert issubclass(with_header_timeout(2.0, parser="h11"), HeaderTimeoutProtocol)
