@@ -20,8 +20,8 @@ demo: setup
 	$(PY) examples/research_loop.py
 
 # Two workers, each test file on one of them (module-scoped servers stay shared): most
-# tests wait on servers and subprocesses, so two workers fit two cores (about 0.6x the
-# time of one). `python -m pytest tests/...` still runs a part on one process.
+# tests wait on servers and subprocesses, so two workers on two cores finish well before
+# one. `python -m pytest tests/...` still runs a part in one process.
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
