@@ -98,7 +98,7 @@ def rows(report: SoakReport, accounts: list[RunAccount], idle: list[float]) -> l
 
 def run(ctx: BenchContext) -> list[Row]:
     config = QUICK if ctx.quick else FULL
-    tree = make_tree(ctx.path("soak-tree"), files=40, total_bytes=300_000)
+    tree = make_tree(ctx.path("soak-tree"), files=100, total_bytes=1_000_000)
     env = {"AJET_SWARM_HEADER_TIMEOUT_S": str(config.header_timeout_s),
            "AJET_SWARM_LOG_REGEX_TIMEOUT_S": "0.3", "AJET_SWARM_STOP_GRACE_S": "60",
            "AJET_SWARM_WARM_STANDBY": "1"}

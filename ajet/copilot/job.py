@@ -176,7 +176,7 @@ class AgentJetJob(BaseModel):
                                      description="A claimed episode idle this long is re-queued")
     # --- generation (issue 17): KV cache sizing
     gpu_memory_utilization: float = Field(
-        default_factory=lambda: _default("gpu_memory_utilization"), gt=0, le=1,
+        default_factory=_d("gpu_memory_utilization"), gt=0, le=1,
         description="GPU only: fraction of each GPU's memory the engine may hold while it "
                     "generates (weights, optimizer state, KV cache); the KV cache gets what is "
                     "left. As in the original AgentJet (vLLM's knob). Ignored on CPU")
@@ -184,43 +184,43 @@ class AgentJetJob(BaseModel):
     # --- training at scale (issue 16: LoRA, activation checkpointing, micro-batches);
     # --- the engine side is ajet/engine/config.py, docs/distributed.md
     lora_rank: int = Field(
-        default_factory=lambda: _default("lora_rank"), ge=0, le=4096,
+        default_factory=_d("lora_rank"), ge=0, le=4096,
         description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapters train "
                     f"(peft), and `lr` defaults to {LORA_LR_SCALE:g}x its full fine-tuning "
                     "default when not given")
-    lora_alpha: int = Field(default_factory=lambda: _default("lora_alpha"), gt=0, le=1_000_000,
+    lora_alpha: int = Field(default_factory=_d("lora_alpha"), gt=0, le=1_000_000,
                               description="LoRA scaling: adapters add (alpha / rank) * B A")
     lora_target_modules: str | list[str] = Field(
-        default_factory=lambda: _default("lora_target_modules"),
+        default_factory=_d("lora_target_modules"),
         description="Modules that get adapters: 'all-linear' (every linear layer but the "
                     "output head), a list of module names such as [q_proj, v_proj], or a "
                     "regex, as peft's LoraConfig.target_modules")
     lora_save_merged: bool = Field(
-        default_factory=lambda: _default("lora_save_merged"),
+        default_factory=_d("lora_save_merged"),
         description="Checkpoints also hold the base model with the adapters merged in "
                     "(merged/); the adapter alone is always saved")
     activation_checkpointing: bool | Literal["auto"] = Field(
-        default_factory=lambda: _default("activation_checkpointing"),
+        default_factory=_d("activation_checkpointing"),
         description="Recompute each decoder layer's activations in backward instead of "
                     "keeping them; 'auto' = on for GPU jobs, off on CPU")
     micro_batch_tokens: int = Field(
-        default_factory=lambda: _default("micro_batch_tokens"), ge=1, le=100_000_000,
+        default_factory=_d("micro_batch_tokens"), ge=1, le=100_000_000,
         description="Most (padded) prompt + response tokens per forward/backward pass; "
                     "gradients accumulate over micro-batches, so this bounds the update's "
                     "peak memory whatever the response lengths")
     mini_batch_num: int = Field(
-        default_factory=lambda: _default("mini_batch_num"), ge=1, le=10_000,
+        default_factory=_d("mini_batch_num"), ge=1, le=10_000,
         description="Optimizer steps per batch and epoch: the batch's task groups are "
                     "split into this many mini-batches, each one optimizer step")
 
     # --- the memory planner (issue 21: ajet/engine/memory_plan.py, docs/distributed.md)
     gpu_memory_gb: float = Field(
-        default_factory=lambda: _default("gpu_memory_gb"), gt=0, le=100_000,
+        default_factory=_d("gpu_memory_gb"), gt=0, le=100_000,
         description="Memory of one GPU in GiB, used by the memory planner where no GPU is "
                     "visible when the config is checked (no nvidia-smi); visible GPUs are "
                     "measured instead")
     memory_check: Literal["refuse", "warn"] = Field(
-        default_factory=lambda: _default("memory_check"),
+        default_factory=_d("memory_check"),
         description="A job the memory planner estimates will not fit is refused (422, with "
                     "the estimate and the changes that fit), or only warned about ('warn': "
                     "accepted, the warning in the config response and the engine log)")
