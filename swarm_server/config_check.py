@@ -41,7 +41,7 @@ class ValidatedConfig:
     experiment_name: str
     ajet_file: str | None  # which ajet the validator ran from
     notes: list[dict[str, str]] = field(default_factory=list)  # accepted without effect
-    #: the memory planner's estimate (ajet/engine/memory_plan.py), None when the snapshot's
+    #: the memory planner's estimate (ajet/engine/planning/memory_plan.py), None when the snapshot's
     #: validator has no planner or the model's config.json is not on this machine
     memory: dict[str, Any] | None = None
 

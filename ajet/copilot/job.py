@@ -213,7 +213,7 @@ class AgentJetJob(BaseModel):
         description="Optimizer steps per batch and epoch: the batch's task groups are "
                     "split into this many mini-batches, each one optimizer step")
 
-    # --- the memory planner (issue 21: ajet/engine/memory_plan.py, docs/distributed.md)
+    # --- the memory planner (issue 21: ajet/engine/planning/memory_plan.py, docs/distributed.md)
     gpu_memory_gb: float = Field(
         default_factory=_d("gpu_memory_gb"), gt=0, le=100_000,
         description="Memory of one GPU in GiB, used by the memory planner where no GPU is "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ajet.engine.advantages import mean_std
-from ajet.engine.episodes import Episode
+from ajet.engine.plane.episodes import Episode
 from ajet.engine.learner import UpdateStats
 
 __all__ = ["REQUIRED_FIELDS", "MetricsWriter", "step_metrics"]

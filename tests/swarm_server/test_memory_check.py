@@ -86,7 +86,7 @@ def test_memory_check_warn_accepts_a_job_that_does_not_fit(gpu_server: ServerHan
 def test_the_planner_of_the_synced_snapshot_decides(gpu_server: ServerHandle,
                                                     tmp_path: Path) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
-    plan_py = repo / "ajet" / "engine" / "memory_plan.py"
+    plan_py = repo / "ajet" / "engine" / "planning" / "memory_plan.py"
     source = plan_py.read_text()
     patched = source.replace("_CUDA_CONTEXT = 1 * GiB", "_CUDA_CONTEXT = 100 * GiB")
     assert patched != source, "memory_plan.py changed shape; update this test"

@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
-from ajet.engine.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
-from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-from ajet.engine.inference import GenerationRequest, GenerationResult, Generator
-from ajet.engine.openai_requests import (
+from ajet.engine.plane.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
+from ajet.engine.plane.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
+from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+from ajet.engine.generation.interface import GenerationRequest, GenerationResult, Generator
+from ajet.engine.plane.request_policy import (
     BadRequest,
     check_parameters,
     resolve_sampling,
     resolve_tool_choice,
 )
 from ajet.engine.policy import Policy, load_policy
-from ajet.engine.recompute import RecomputeGenerator
+from ajet.engine.generation.recompute import RecomputeGenerator
 from ajet.engine.tiny import ensure_tiny_model
 from ajet.protocol import EngineState
 

@@ -14,8 +14,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.config import engine_config_from_job
 from ajet.engine.learner import Learner, TrainSample
-from ajet.engine.lora import apply_lora
-from ajet.engine.memory_plan import (
+from ajet.engine.parallel.lora import apply_lora
+from ajet.engine.planning.memory_plan import (
     GiB,
     MiB,
     Available,
@@ -279,7 +279,7 @@ def test_memory_available_from_nvidia_smi_gpu_memory_gb_and_the_host(
 
 
 def test_a_job_whose_model_has_no_config_json_here_is_not_planned(tmp_path: Path) -> None:
-    from ajet.engine.memory_plan import plan_job
+    from ajet.engine.planning.memory_plan import plan_job
 
     assert plan_job(AgentJetJob(model=str(tmp_path / "elsewhere"))) is None
     (tmp_path / "broken").mkdir()

@@ -19,22 +19,22 @@ import time
 import uuid as uuidlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from ajet.engine.chat_format import (
+from ajet.engine.plane.chat_format import (
     ChatFormat,
     ContentStream,
     FormatError,
     ParsedReply,
     RenderedPrompt,
 )
-from ajet.engine.episodes import EpisodeError
-from ajet.engine.inference import GenerationResult
-from ajet.engine.openai_requests import (
+from ajet.engine.plane.episodes import EpisodeError
+from ajet.engine.generation.interface import GenerationResult
+from ajet.engine.plane.request_policy import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,10 +46,9 @@ from ajet.engine.openai_requests import (
     resolve_stop,
     resolve_tool_choice,
 )
-from ajet.engine.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.episode_plane import EpisodePlane
 
-if TYPE_CHECKING:
-    from ajet.engine.chat_api import EpisodePlane
 
 __all__ = [
     "ChatTurn",
