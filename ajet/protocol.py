@@ -47,6 +47,7 @@ __all__ = [
     "ManifestRequest",
     "ManifestResponse",
     "MetricsResponse",
+    "PlanePath",
     "Provenance",
     "RunPublic",
     "RunsPage",
@@ -81,6 +82,20 @@ class EngineState(str, enum.Enum):
 
     def __str__(self) -> str:  # so f-strings print "ENGINE.ROLLING"
         return self.value
+
+
+class PlanePath:
+    """The episode plane's paths: the same on the public server and on the engine's private
+    socket, which the server forwards each call to unchanged. Plain strings (a namespace,
+    not an enum), so they go wherever a path does."""
+
+    BEGIN_EPISODE = "/begin_episode"
+    END_EPISODE = "/end_episode"
+    ABORT_EPISODE = "/abort_episode"
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MODELS = "/v1/models"
 
 
 class ApprovalState(str, enum.Enum):

@@ -25,11 +25,13 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Header, Request
 from starlette.datastructures import Headers, State
+from starlette.types import Scope
 
 from swarm_server.errors import Forbidden, Unauthorized
 from swarm_server.settings import Settings
 
-__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "ReaderRequirement",
+__all__ = ["APPROVER_PREFIX", "EPISODE_SCOPE", "ApproverRequirement", "ControlRequirement",
+           "EpisodeKeyRequirement", "ReaderRequirement",
            "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
            "bearer_token", "require_approver", "require_control", "require_reader",
            "require_reviewer", "role_of"]
@@ -39,6 +41,9 @@ Role = Literal["control", "worker", "open"]
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 #: Audit-log role of an approver: `approver:<name>`.
 APPROVER_PREFIX = "approver:"
+#: Where the first gate (`swarm_server.limits`) leaves the episode id of a verified
+#: episode key in the ASGI scope, so that the key is verified once per request.
+EPISODE_SCOPE = "ajet.episode_uuid"
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -178,12 +183,17 @@ class Requirement:
         """The caller's role (or identity), or raise 401/403."""
         raise NotImplementedError
 
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> Any:
+        """`check` for one request; a requirement the first gate already proved for this
+        request reads the proof from the scope instead of checking again."""
+        return self.check(state, headers)
+
     # `async`: FastAPI runs a plain `def` dependency in its thread pool, a hop that costs
     # about a millisecond on the episode plane's hot path. The `authorization` parameter
     # only documents the header in the OpenAPI schema; `check` reads the headers itself.
     async def __call__(self, request: Request,
                        authorization: Annotated[str | None, Header()] = None) -> Any:
-        return self.check(request.app.state, request.headers)
+        return self.check_request(request.scope, request.app.state, request.headers)
 
 
 @dataclass(frozen=True)
@@ -224,3 +234,23 @@ class ReviewerRequirement(Requirement):
 
     def check(self, state: State, headers: Headers) -> str:
         return require_reviewer(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class EpisodeKeyRequirement(Requirement):
+    """The OpenAI-compatible routes (`/v1/*`): the signed key of a live episode, sent as the
+    OpenAI API key (`EpisodeGateway.check_key`); `check` returns the episode id.
+
+    The first gate verifies it before routing, for every `/v1/` path, and leaves the
+    episode id under `EPISODE_SCOPE`; `check_request` takes it from there.
+    """
+
+    access: str = "episode key"
+
+    def check(self, state: State, headers: Headers) -> str:
+        episode: str = state.ctx.episodes.check_key(_token(headers))
+        return episode
+
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> str:
+        verified = scope.get(EPISODE_SCOPE)
+        return verified if isinstance(verified, str) else self.check(state, headers)

@@ -7,7 +7,8 @@ the engine serves (docs/internals.md, "Episode plane (server side)"):
   records the episode in the gateway's own table (run id, expiry, ended flag);
 - `check_key` verifies a key and looks the episode up **by id in that table** (nothing
   else in the key is trusted), refusing unknown, foreign-run and ended episodes with
-  401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read;
+  401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read,
+  once, and the route hands `openai` the episode id it found;
 - `openai` (every `/v1/*` route: chat, completions, responses, models) forwards the
   request with `X-Episode-UUID`, streaming the answer back unchanged;
 - `end` / `abort` forward and mark the episode ended, so its key stops working. `end`
@@ -171,16 +172,15 @@ class EpisodeGateway:
         self._close(entry)
         return data
 
-    def authorize(self, key: str | None) -> str:
-        """The episode a `/v1/*` key names, or 401 (for routes that forward nothing)."""
-        return self.check_key(key)
-
-    async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None
+    async def openai(self, episode_uuid: str, *, method: str, path: str, body: bytes | None
                      ) -> Response:
-        """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names:
-        the body as the client sent it, the engine's answer as it came (streamed on)."""
-        episode_uuid = self.check_key(key)
-        entry = self._episodes[episode_uuid]
+        """Forward an OpenAI-compatible request (`/v1/...`) for the episode whose key the
+        first gate verified (`check_key`): the body as the client sent it, the engine's
+        answer as it came (streamed on)."""
+        entry = self._episodes.get(episode_uuid)
+        if entry is None or entry.ended:  # ended (or pruned) while its body was read
+            raise Unauthorized(f"episode {episode_uuid} has ended",
+                               "call begin_episode for a new episode", headers=_CHALLENGE)
         entry.last_active, entry.step = time.monotonic(), self._step()
         _, channel = self._target("chat")
         try:

@@ -55,7 +55,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import ControlRequirement, Requirement, authenticate, bearer_token
+from swarm_server.auth import (
+    EPISODE_SCOPE,
+    ControlRequirement,
+    Requirement,
+    authenticate,
+    bearer_token,
+)
 from swarm_server.errors import (
     ApiError,
     BadRequest,
@@ -206,7 +212,9 @@ class LimitsMiddleware:
         headers = Headers(scope=scope)
         try:
             if path.startswith(EPISODE_PREFIX):
-                self.ctx.episodes.check_key(bearer_token(headers.get("authorization")))
+                # verified once: the route's EpisodeKeyRequirement reads it from the scope
+                scope[EPISODE_SCOPE] = self.ctx.episodes.check_key(
+                    bearer_token(headers.get("authorization")))
             else:
                 authenticate(self.settings, headers)
         except ApiError as exc:
@@ -266,7 +274,7 @@ class LimitsMiddleware:
             requirements = (_FAIL_CLOSED,)
         headers = Headers(scope=scope)
         for requirement in requirements:
-            requirement.check(scope["app"].state, headers)
+            requirement.check_request(scope, scope["app"].state, headers)
 
     async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit
                          ) -> bytes | None:
