@@ -44,6 +44,7 @@ from ajet.protocol import (
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
+    PlanePath,
 )
 from ajet.tuner_lib.experimental.interchange_utils import (
     AgreeSyncWeightRequest,
@@ -66,14 +67,14 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
     async def status() -> EngineReport:
         return plane.report()
 
-    @app.post("/begin_episode")
+    @app.post(PlanePath.BEGIN_EPISODE)
     async def begin_episode(body: BeginEpisodeRequest) -> dict[str, Any]:
         episode = registry.begin(timeout_s=body.discard_episode_timeout, metadata=body.metadata,
                                  episode_type=body.episode_type, client_uuid=body.client_uuid,
                                  task_id=body.task_id)
         return {"episode_uuid": episode.uuid, "timeout_s": episode.timeout_s}
 
-    @app.post("/end_episode")
+    @app.post(PlanePath.END_EPISODE)
     async def end_episode(body: EndEpisodeRequest) -> EndEpisodeResponse:
         episode = registry.end(body.episode_uuid, task_id=body.task_id, reward=body.reward,
                                is_success=body.is_success, metadata=body.metadata,
@@ -83,7 +84,7 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
                                   step=registry.step,
                                   trained=episode.episode_type == "train")
 
-    @app.post("/abort_episode")
+    @app.post(PlanePath.ABORT_EPISODE)
     async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
         requeued = registry.abort(body.episode_uuid, client_uuid=body.client_uuid)
         cancelled = plane.generations.cancel(body.episode_uuid)  # frees their KV cache

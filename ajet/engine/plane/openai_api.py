@@ -33,7 +33,7 @@ from ajet.engine.plane.chat_format import (
     RenderedPrompt,
 )
 from ajet.engine.plane.episodes import EpisodeError
-from ajet.engine.generation.interface import GenerationResult
+from ajet.engine.generation.interface import GenerationRequest, GenerationResult
 from ajet.engine.plane.request_policy import (
     BadRequest,
     ChatCompletionRequest,
@@ -46,8 +46,9 @@ from ajet.engine.plane.request_policy import (
     resolve_stop,
     resolve_tool_choice,
 )
-from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.serving import Generation, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.protocol import PlanePath
 
 
 __all__ = [
@@ -89,7 +90,7 @@ class ChatTurn:
     choice: ToolChoice
     parallel_tool_calls: bool
     sampling: Sampling
-    ask: GenerationAsk
+    ask: GenerationRequest
     model_name: str
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -103,11 +104,11 @@ class ChatTurn:
 def openai_router(plane: EpisodePlane) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/models")
+    @router.get(PlanePath.MODELS)
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(plane)]}
 
-    @router.get("/v1/models/{model:path}")
+    @router.get(PlanePath.MODELS + "/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
         if model != plane.cfg.model:
             raise _ModelNotFound(f"model {model!r} is not served here; this run serves "
@@ -116,7 +117,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
                                  param="model")
         return _model_card(plane)
 
-    @router.post("/v1/chat/completions", response_model=None)
+    @router.post(PlanePath.CHAT_COMPLETIONS, response_model=None)
     async def chat_completions(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -134,7 +135,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         reply = finish_reply(fmt, generation, turn, result)
         return JSONResponse(_chat_body(plane, turn, result, reply, logprobs=logprobs))
 
-    @router.post("/v1/completions", response_model=None)
+    @router.post(PlanePath.COMPLETIONS, response_model=None)
     async def completions(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -305,10 +306,10 @@ def _sampling(plane: EpisodePlane, episode_uuid: str, temperature: float | None,
 
 
 def _ask(ids: list[int], max_tokens: int, stop: tuple[str, ...], sampling: Sampling
-         ) -> GenerationAsk:
+         ) -> GenerationRequest:
     t, p = sampling.for_generation()
-    return GenerationAsk(prompt_ids=ids, max_new_tokens=max_tokens, stop=stop, temperature=t,
-                         top_p=p)
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens, stop=stop,
+                             temperature=t, top_p=p)
 
 
 # ---------------------------------------------------------------------------- replies

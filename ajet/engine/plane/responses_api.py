@@ -51,6 +51,7 @@ from ajet.engine.plane.request_policy import (
 )
 from ajet.engine.plane.serving import Generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.protocol import PlanePath
 
 
 __all__ = ["ResponsesRequest", "responses_router", "responses_to_messages"]
@@ -93,7 +94,7 @@ class ResponsesRequest(RequestBody):
 def responses_router(plane: EpisodePlane) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses", response_model=None)
+    @router.post(PlanePath.RESPONSES, response_model=None)
     async def responses(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,

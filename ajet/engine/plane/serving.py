@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from ajet.engine.generation.interface import (
 )
 from ajet.engine.trajectory import Completion
 
-__all__ = ["EngineUnavailable", "Generation", "GenerationAsk", "GenerationTracker",
+__all__ = ["EngineUnavailable", "Generation", "GenerationTracker",
            "PromptTooLong", "start_generation"]
 
 
@@ -49,18 +50,6 @@ class PromptTooLong(EpisodeError):
 
     status = 400
     param = "messages"
-
-
-@dataclass(frozen=True)
-class GenerationAsk:
-    """What to generate, in the generation loop's terms."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop: tuple[str, ...] = ()
-    #: None = the run's setting (always, in training episodes)
-    temperature: float | None = None
-    top_p: float | None = None
 
 
 @dataclass(eq=False)  # one object per generation: hashed by identity
@@ -170,9 +159,11 @@ async def _release_when_gone(request: Request, generation: Generation) -> None:
 
 
 def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uuid: str,
-                     ask: GenerationAsk, *, streaming: bool, request: Request | None = None,
+                     ask: GenerationRequest, *, streaming: bool,
+                     request: Request | None = None,
                      tracker: GenerationTracker | None = None) -> Generation:
-    """Submit `ask` for the episode; its deltas and result arrive on the Generation's queue.
+    """Submit `ask` for the episode (its callbacks and session set here); its deltas and
+    result arrive on the Generation's queue.
 
     The episode must be marked busy by the caller (`registry.chat_started`) first. With
     `request` (a non-streamed reply, whose body is read), the generation is cancelled if
@@ -194,10 +185,9 @@ def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uu
         post("delta", text)
 
     try:
-        generation.handle = inference.submit(GenerationRequest(
-            prompt_ids=ask.prompt_ids, max_new_tokens=ask.max_new_tokens, on_done=on_done,
-            on_delta=on_delta if streaming else None, stop=ask.stop,
-            temperature=ask.temperature, top_p=ask.top_p, session=episode_uuid))
+        generation.handle = inference.submit(dataclasses.replace(
+            ask, on_done=on_done, on_delta=on_delta if streaming else None,
+            session=episode_uuid))
     except GenerationRefused as exc:
         generation.release()
         raise PromptTooLong(f"cannot generate for this prompt: {exc}",
