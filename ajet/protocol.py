@@ -409,6 +409,7 @@ class PendingSnapshot(BaseModel):
 
 class ApprovalDecisionPublic(BaseModel):
     snapshot_id: str
+    #: the `ApprovalState` the decision led to (one of its three decided values)
     decision: Literal["approved", "denied", "revoked"]
     approver: str
     at: float

@@ -42,23 +42,25 @@ from ajet.protocol import (
     ReviewPage,
     SnapshotApproval,
 )
-from swarm_server.errors import ApprovalRequired, BadRequest, EngineStateError
+from ajet.errors import ApprovalPending, EngineStateConflict, SwarmValidationError
 from swarm_server.ledger import ApprovalRecord, Ledger, SnapshotRecord
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 
-__all__ = ["DECISIONS", "Approvals", "approve_command"]
+__all__ = ["AUDIT_ACTION", "DECISIONS", "Approvals", "approve_command"]
 
 log = logging.getLogger(__name__)
 
-#: decision -> the state it leads to
-DECISIONS = {"approved": ApprovalState.APPROVED, "denied": ApprovalState.DENIED,
-             "revoked": ApprovalState.REVOKED}
-#: decision -> the states it may be taken from
-_FROM = {"approved": (ApprovalState.PENDING,), "denied": (ApprovalState.PENDING,),
-         "revoked": (ApprovalState.APPROVED,)}
-_AUDIT_ACTION = {"approved": "approve", "denied": "deny", "revoked": "revoke"}
+#: A decision is named by the state it leads to; the states it may be taken from:
+DECISIONS: dict[ApprovalState, tuple[ApprovalState, ...]] = {
+    ApprovalState.APPROVED: (ApprovalState.PENDING,),
+    ApprovalState.DENIED: (ApprovalState.PENDING,),
+    ApprovalState.REVOKED: (ApprovalState.APPROVED,),
+}
+#: the audit log's action for a decision (the verb of its route)
+AUDIT_ACTION = {ApprovalState.APPROVED: "approve", ApprovalState.DENIED: "deny",
+                ApprovalState.REVOKED: "revoke"}
 _REVIEW_CACHE = 8
 _SHORT = 12
 
@@ -108,16 +110,16 @@ class Approvals:
                                                  ApprovalState.NOT_ENFORCED)
 
     def require_runnable(self, snapshot_id: str, *, doing: str) -> None:
-        """Raise `ApprovalRequired` (409) unless `snapshot_id` may run."""
+        """Raise `ApprovalPending` (409) unless `snapshot_id` may run."""
         approval = self.state(snapshot_id)
         if approval.state in (ApprovalState.APPROVED, ApprovalState.NOT_ENFORCED):
             return
-        raise ApprovalRequired(self.refusal(snapshot_id, approval, doing=doing),
-                               self.hint(snapshot_id, approval))
+        raise ApprovalPending(409, self.refusal(snapshot_id, approval, doing=doing),
+                              self.hint(snapshot_id, approval))
 
     def refusal(self, snapshot_id: str, approval: SnapshotApproval, *, doing: str
                 ) -> dict[str, Any]:
-        """The `detail` of an `ApprovalRequired`: what, why, and where to approve."""
+        """The `detail` of an `ApprovalPending`: what, why, and where to approve."""
         short = snapshot_id[:_SHORT]
         if approval.state is ApprovalState.PENDING:
             why = f"snapshot {short} is pending approval by an approver"
@@ -167,27 +169,30 @@ class Approvals:
 
     # ------------------------------------------------------------------ decide
 
-    def decide(self, rec: SnapshotRecord, decision: str, *, approver: str, note: str = "",
+    def decide(self, rec: SnapshotRecord, decision: ApprovalState, *, approver: str,
+               note: str = "",
                confirm: str) -> ApprovalDecisionPublic:
         """Record `decision` on `rec`, if its current state allows it (else 409)."""
         if confirm != rec.id:
-            raise BadRequest(f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
-                             "send the full snapshot id of what you reviewed")
+            raise SwarmValidationError(
+                400, f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
+                "send the full snapshot id of what you reviewed")
         with self._lock:
             current = self.state(rec.id)
-            if current.state not in _FROM[decision]:
-                allowed = " or ".join(s.value for s in _FROM[decision])
-                raise EngineStateError(
-                    f"snapshot {rec.id[:_SHORT]} is {current.state.value}"
+            if current.state not in DECISIONS[decision]:
+                allowed = " or ".join(s.value for s in DECISIONS[decision])
+                raise EngineStateConflict(
+                    409, f"snapshot {rec.id[:_SHORT]} is {current.state.value}"
                     + (f" (by {current.approver})" if current.approver else "")
                     + f"; only a {allowed} snapshot can be {decision}",
                     "revoke an approved snapshot; denied and revoked ones are final"
-                    if decision != "revoked" else "only an approved snapshot can be revoked")
+                    if decision is not ApprovalState.REVOKED
+                    else "only an approved snapshot can be revoked")
             base_id, _ = self.base()
             row = self.ledger.add_approval(ApprovalRecord(
-                snapshot_id=rec.id, decision=decision, approver=approver, at=time.time(),
+                snapshot_id=rec.id, decision=decision.value, approver=approver, at=time.time(),
                 note=note, base_id=base_id))
-        self.ledger.audit(_AUDIT_ACTION[decision], f"approver:{approver}", "ok",
+        self.ledger.audit(AUDIT_ACTION[decision], f"approver:{approver}", "ok",
                           {"snapshot_id": rec.id, "note": note, "base_id": base_id})
         log.info("snapshot %s %s by %s", rec.id[:_SHORT], decision, approver)
         return _public(row)
@@ -251,8 +256,9 @@ class Approvals:
         if rec is None:
             return SERVER_CODE, "the server's own ajet/ (chosen)"
         if not self.runnable(rec.id):
-            raise BadRequest(f"snapshot {rec.id[:_SHORT]} is not approved, so it is no safe "
-                             "base for a review", "compare with 'server' or an approved snapshot")
+            raise SwarmValidationError(
+                400, f"snapshot {rec.id[:_SHORT]} is not approved, so it is no safe "
+                "base for a review", "compare with 'server' or an approved snapshot")
         return rec.id, f"approved snapshot {rec.id[:_SHORT]} (chosen)"
 
     def _side(self, snapshot_id: str) -> tuple[list[FileEntry], Any]:
@@ -260,8 +266,9 @@ class Approvals:
             return self.server_code.manifest(), self.server_code.read
         rec = self.snapshots.get(snapshot_id)
         if rec is None:
-            raise BadRequest(f"snapshot {snapshot_id[:_SHORT]} is gone from the server",
-                             "GET /code/snapshots lists what is stored")
+            raise SwarmValidationError(
+                400, f"snapshot {snapshot_id[:_SHORT]} is gone from the server",
+                "GET /code/snapshots lists what is stored")
         base_dir = self.snapshots.base_dir(rec)
 
         def read(entry: FileEntry) -> bytes:
@@ -302,7 +309,7 @@ def _provenance(rec: SnapshotRecord) -> Provenance:
 def _approval(latest: ApprovalRecord | None) -> SnapshotApproval:
     if latest is None:
         return SnapshotApproval(state=ApprovalState.PENDING)
-    return SnapshotApproval(state=DECISIONS[latest.decision], approver=latest.approver,
+    return SnapshotApproval(state=ApprovalState(latest.decision), approver=latest.approver,
                             at=latest.at, note=latest.note)
 
 

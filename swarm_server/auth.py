@@ -27,7 +27,7 @@ from fastapi import Header, Request
 from starlette.datastructures import Headers, State
 from starlette.types import Scope
 
-from swarm_server.errors import Forbidden, Unauthorized
+from ajet.errors import SwarmAuthError
 from swarm_server.settings import Settings
 
 __all__ = ["APPROVER_PREFIX", "EPISODE_SCOPE", "ApproverRequirement", "ControlRequirement",
@@ -80,11 +80,13 @@ def require_control(settings: Settings, token: str | None) -> Role:
     if settings.token is None:  # only a worker token is configured: control stays open
         return "open"
     if role == "worker":
-        raise Forbidden("this route needs the control token; the worker token cannot call it",
-                        "use AJET_SWARM_TOKEN (control) for code, config and engine lifecycle")
+        raise SwarmAuthError(
+            403, "this route needs the control token; the worker token cannot call it",
+            "use AJET_SWARM_TOKEN (control) for code, config and engine lifecycle")
     _refuse_approver(settings, token)
-    raise Unauthorized(_missing_or_wrong(token), "send 'Authorization: Bearer $AJET_SWARM_TOKEN'",
-                       headers=_CHALLENGE)
+    raise SwarmAuthError(
+        401, _missing_or_wrong(token), "send 'Authorization: Bearer $AJET_SWARM_TOKEN'",
+        headers=_CHALLENGE)
 
 
 def require_reader(settings: Settings, token: str | None) -> Role:
@@ -92,8 +94,8 @@ def require_reader(settings: Settings, token: str | None) -> Role:
     if role is not None:
         return role
     _refuse_approver(settings, token)
-    raise Unauthorized(
-        _missing_or_wrong(token),
+    raise SwarmAuthError(
+        401, _missing_or_wrong(token),
         "send 'Authorization: Bearer <token>' with AJET_SWARM_TOKEN or AJET_SWARM_WORKER_TOKEN",
         headers=_CHALLENGE,
     )
@@ -101,9 +103,10 @@ def require_reader(settings: Settings, token: str | None) -> Role:
 
 def _refuse_approver(settings: Settings, token: str | None) -> None:
     if approver_of(settings, token) is not None:
-        raise Forbidden("an approver token opens only the approval routes (/approvals) and "
-                        "the code to review (/code/server)",
-                        "use the control or worker token here, or the web console")
+        raise SwarmAuthError(
+            403, "an approver token opens only the approval routes (/approvals) and "
+            "the code to review (/code/server)",
+            "use the control or worker token here, or the web console")
 
 
 def _missing_or_wrong(token: str | None) -> str:
@@ -129,15 +132,17 @@ def require_approver(settings: Settings, token: str | None) -> str:
     role = role_of(settings, token) if token is not None else None
     if role in ("control", "worker"):
         if not settings.approvals_enforced:
-            raise Forbidden("approvals are not enforced on this server: it has no approver "
-                            "tokens", "set AJET_SWARM_APPROVER_TOKENS (name=token,...) on the "
-                                      "server to make every snapshot need an approver")
-        raise Forbidden(f"the {role} token cannot approve; approval routes take an approver "
-                        "token only", "an approver uses their own token "
-                                      "(AJET_SWARM_APPROVER_TOKEN) or the web console")
-    raise Unauthorized(_missing_or_wrong(token),
-                       "send 'Authorization: Bearer $AJET_SWARM_APPROVER_TOKEN'",
-                       headers=_CHALLENGE)
+            raise SwarmAuthError(
+                403, "approvals are not enforced on this server: it has no approver "
+                "tokens", "set AJET_SWARM_APPROVER_TOKENS (name=token,...) on the "
+                "server to make every snapshot need an approver")
+        raise SwarmAuthError(
+            403, f"the {role} token cannot approve; approval routes take an approver "
+            "token only", "an approver uses their own token "
+            "(AJET_SWARM_APPROVER_TOKEN) or the web console")
+    raise SwarmAuthError(401, _missing_or_wrong(token),
+                         "send 'Authorization: Bearer $AJET_SWARM_APPROVER_TOKEN'",
+                         headers=_CHALLENGE)
 
 
 def require_reviewer(settings: Settings, token: str | None) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from swarm_server.errors import Unprocessable
+from ajet.errors import SwarmValidationError
 from swarm_server.settings import Settings
 from swarm_server.supervisor import snapshot_env
 
@@ -54,7 +54,7 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                       ) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
-    Raises `Unprocessable` naming each bad field, or saying why the validator failed.
+    Raises `SwarmValidationError` naming each bad field, or saying why the validator failed.
     """
     cmd = [settings.engine_python, "-m", "ajet.copilot.validate"]
     # cwd is sys.path[0] under -m: the snapshot itself, or the workdir (no ajet/ inside)
@@ -65,20 +65,22 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
             env=snapshot_env(base_dir), timeout=settings.config_validate_timeout_s, check=False,
         )
     except subprocess.TimeoutExpired as exc:
-        raise Unprocessable(
+        raise SwarmValidationError(
+            422,
             f"the job validator did not finish within {settings.config_validate_timeout_s:.0f}s",
             _HINT_FIX_CODE,
         ) from exc
     except OSError as exc:
-        raise Unprocessable(f"cannot run the job validator ({cmd[0]}): {exc}",
-                            "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
+        raise SwarmValidationError(422, f"cannot run the job validator ({cmd[0]}): {exc}",
+                                   "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
     stderr_tail = proc.stderr.decode("utf-8", errors="replace").strip().splitlines()[-15:]
     try:
         result = json.loads(proc.stdout)
         if not isinstance(result, dict) or "ok" not in result:
             raise ValueError("not a validator result")
     except ValueError as exc:
-        raise Unprocessable(
+        raise SwarmValidationError(
+            422,
             {"message": f"the job validator exited with code {proc.returncode} without a result",
              "stderr": stderr_tail},
             _HINT_FIX_CODE,
@@ -95,15 +97,15 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                            for e in errors) or "(job)"
         # the memory planner's refusal brings its own hint: the changes that would fit
         hint = result.get("hint")
-        raise Unprocessable(
-            errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
+        raise SwarmValidationError(
+            422, errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
                         "type": "value_error"}],
             str(hint) if isinstance(hint, str) and hint else
             f"fix the job field(s): {fields}; nothing was changed (the previous config stays)",
         )
     config = result.get("config")
     if not isinstance(config, dict):
-        raise Unprocessable("the job validator returned no config", _HINT_FIX_CODE)
+        raise SwarmValidationError(422, "the job validator returned no config", _HINT_FIX_CODE)
     text = yaml.safe_dump(config, sort_keys=False)
     memory = result.get("memory")
     if isinstance(memory, dict) and memory.get("fits") is False:

@@ -25,7 +25,7 @@ The lane does the same work directly:
   place a body is bounded in this process, and the handler gets the bytes it buffered;
 - it parses the body as FastAPI does (JSON only under a JSON content type, the row's
   pydantic type, the same 422 body), calls the row's handler and renders the result, an
-  error or a refusal of the gate as the app's error handlers do (`errors.error_response`,
+  error or a refusal of the gate as the app's error handlers do (`ajet.errors.error_response`,
   OpenAI-shaped under `/v1/`).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
@@ -54,12 +54,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swarm_server.auth import Requirement
-from swarm_server.errors import (
-    ApiError,
-    EarlyRefusal,
-    error_response,
-    validation_error_response,
-)
+from ajet.errors import SwarmHTTPError, error_response
+from swarm_server.errors import EarlyRefusal, validation_error_response
 from swarm_server.limits import EPISODE_PREFIX, BodyLimit
 
 if TYPE_CHECKING:
@@ -115,7 +111,7 @@ async def serve_row(row: PlaneRoute, ctx: ServerContext, request: Request, body:
         return await row.handler(ctx, request, body)
     try:
         return await row.handler(ctx, request, body)
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         return error_response(exc, openai=True)
 
 
@@ -197,7 +193,7 @@ class EpisodeLane:
             response = validation_error_response(exc.errors)
         except EarlyRefusal as exc:  # the limits gate refused the body
             response = error_response(exc.error, openai=exc.openai)
-        except ApiError as exc:
+        except SwarmHTTPError as exc:
             response = error_response(exc, openai=row.openai)
         await response(scope, receive, send)
 

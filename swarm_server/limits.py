@@ -50,11 +50,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
+from ajet.errors import PayloadTooLarge, SwarmHTTPError, SwarmValidationError, error_response
 from swarm_server.auth import (
     EPISODE_SCOPE,
     ControlRequirement,
@@ -62,15 +62,7 @@ from swarm_server.auth import (
     authenticate,
     bearer_token,
 )
-from swarm_server.errors import (
-    ApiError,
-    BadRequest,
-    EarlyRefusal,
-    HeadersTooLarge,
-    PayloadTooLarge,
-    RequestTimeout,
-    openai_error_body,
-)
+from swarm_server.errors import EarlyRefusal
 
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
@@ -160,15 +152,11 @@ class _RouteRules:
 
 @dataclass(frozen=True)
 class _Refusal:
-    error: ApiError
+    error: SwarmHTTPError
     openai: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self.error
-        body = (openai_error_body(error.status, error.detail, error.hint, param=error.param)
-                if self.openai else {"detail": error.detail, "hint": error.hint})
-        response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
-        await response(scope, receive, send)
+        await error_response(self.error, openai=self.openai)(scope, receive, send)
 
 
 class LimitsMiddleware:
@@ -200,8 +188,8 @@ class LimitsMiddleware:
         size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # ": " and CRLF
         if size <= limit:
             return None
-        return _Refusal(HeadersTooLarge(
-            f"request headers of {size} bytes are over the server's {limit}-byte limit",
+        return _Refusal(SwarmHTTPError(
+            431, f"request headers of {size} bytes are over the server's {limit}-byte limit",
             "send fewer or shorter headers, or raise AJET_SWARM_MAX_HEADER_BYTES",
             headers={"Connection": "close"}))
 
@@ -217,7 +205,7 @@ class LimitsMiddleware:
                     bearer_token(headers.get("authorization")))
             else:
                 authenticate(self.settings, headers)
-        except ApiError as exc:
+        except SwarmHTTPError as exc:
             return _Refusal(exc, openai=path.startswith(EPISODE_PREFIX))
         return None
 
@@ -242,7 +230,7 @@ class LimitsMiddleware:
                             return {"type": "http.disconnect"}
                         self._check_json(body)
                         return {"type": "http.request", "body": body, "more_body": False}
-                except ApiError as exc:
+                except SwarmHTTPError as exc:
                     raise EarlyRefusal(exc, openai=openai) from None
             if state["stream"] is not None:
                 message: Message = await state["stream"]()
@@ -299,18 +287,20 @@ class LimitsMiddleware:
 
     def _check_json(self, body: bytes) -> None:
         if body and not _is_utf8(body):
-            raise BadRequest("request body is not UTF-8 text",
-                             "send JSON encoded as UTF-8 with Content-Type: application/json")
+            raise SwarmValidationError(
+                400, "request body is not UTF-8 text",
+                "send JSON encoded as UTF-8 with Content-Type: application/json")
         if body and json_too_deep(body, self.settings.max_json_depth):
-            raise BadRequest(f"JSON nested deeper than {self.settings.max_json_depth} levels",
-                             "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
+            raise SwarmValidationError(
+                400, f"JSON nested deeper than {self.settings.max_json_depth} levels",
+                "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
 
     async def _next(self, receive: Receive) -> Message:
         wait = self.settings.request_body_timeout_s
         try:
             return await asyncio.wait_for(receive(), wait)
         except asyncio.TimeoutError as exc:
-            raise RequestTimeout(f"no request body bytes for {wait:g} s; the request was "
+            raise SwarmHTTPError(408, f"no request body bytes for {wait:g} s; the request was "
                                  "dropped", "send the whole body without pausing",
                                  headers={"Connection": "close"}) from exc
 
@@ -324,7 +314,7 @@ class LimitsMiddleware:
                 return await receive()
             try:
                 message = await self._next(receive)
-            except RequestTimeout:
+            except SwarmHTTPError:
                 done = True
                 return {"type": "http.disconnect"}
             if message["type"] != "http.request" or not message.get("more_body", False):
@@ -358,7 +348,7 @@ def _is_utf8(body: bytes) -> bool:
     return True
 
 
-def _too_large(size: int, limit: int, knob: str) -> ApiError:
-    return PayloadTooLarge(f"request body of {size} bytes is over the server's {limit}-byte "
+def _too_large(size: int, limit: int, knob: str) -> SwarmHTTPError:
+    return PayloadTooLarge(413, f"request body of {size} bytes is over the server's {limit}-byte "
                            "limit for this route", f"send less (page through it), or raise "
                            f"{knob}", headers={"Connection": "close"})

@@ -22,17 +22,19 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from fastapi import Path as PathParam
 
+from ajet.errors import SwarmHTTPError, SwarmNotFound
 from ajet.protocol import (
     ApprovalDecisionPublic,
     ApprovalDecisionRequest,
     ApprovalsPage,
+    ApprovalState,
     EngineState,
     ErrorBody,
     ReviewPage,
 )
+from swarm_server.approvals import AUDIT_ACTION
 from swarm_server.context import ServerContext
 from swarm_server.deps import ApproverAuth, Ctx
-from swarm_server.errors import ApiError, NotFound
 from swarm_server.ledger import SnapshotRecord
 
 __all__ = ["decide", "router"]
@@ -79,14 +81,14 @@ def review(
 @router.post("/{snapshot_ref}/approve", responses=_ERRORS, summary="Approve exactly this content")
 def approve(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
             approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "approved", approver=approver,
+    return decide(ctx, _snapshot(ctx, snapshot_ref), ApprovalState.APPROVED, approver=approver,
                   note=body.note, confirm=body.snapshot_id)
 
 
 @router.post("/{snapshot_ref}/deny", responses=_ERRORS, summary="Refuse it: it never runs")
 def deny(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
          approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "denied", approver=approver,
+    return decide(ctx, _snapshot(ctx, snapshot_ref), ApprovalState.DENIED, approver=approver,
                   note=body.note, confirm=body.snapshot_id)
 
 
@@ -94,24 +96,24 @@ def deny(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
              summary="Revoke an approval: it never runs again (a running engine is stopped)")
 def revoke(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
            approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "revoked", approver=approver,
+    return decide(ctx, _snapshot(ctx, snapshot_ref), ApprovalState.REVOKED, approver=approver,
                   note=body.note, confirm=body.snapshot_id)
 
 
-def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: str,
-           note: str, confirm: str) -> ApprovalDecisionPublic:
+def decide(ctx: ServerContext, rec: SnapshotRecord, decision: ApprovalState, *,
+           approver: str, note: str, confirm: str) -> ApprovalDecisionPublic:
     """Record a decision (the API and the console share this); a refusal is audited too."""
-    action = {"approved": "approve", "denied": "deny", "revoked": "revoke"}[decision]
+    action = AUDIT_ACTION[decision]
     try:
         result = ctx.approvals.decide(rec, decision, approver=approver, note=note,
                                       confirm=confirm)
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         ctx.ledger.audit(action, f"approver:{approver}", f"refused: {str(detail)[:300]}",
                          {"snapshot_id": rec.id})
         raise
-    if decision == "revoked":
+    if decision is ApprovalState.REVOKED:
         status = ctx.engine.status()
         if status.snapshot_id == rec.id and status.state is not EngineState.OFFLINE:
             ctx.engine.stop(role=f"approver:{approver}",
@@ -122,6 +124,6 @@ def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: 
 def _snapshot(ctx: ServerContext, ref: str) -> SnapshotRecord:
     rec = ctx.snapshots.resolve(ref)
     if rec is None:
-        raise NotFound("the server's own code needs no approval",
-                       "GET /approvals lists the pending snapshots")
+        raise SwarmNotFound(404, "the server's own code needs no approval",
+                            "GET /approvals lists the pending snapshots")
     return rec

@@ -39,10 +39,10 @@ from ajet.protocol import (
     PlanePath,
 )
 from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
+from ajet.errors import SwarmNotFound, SwarmValidationError, error_response
 from swarm_server.auth import EPISODE_SCOPE, EpisodeKeyRequirement, ReaderRequirement
 from swarm_server.context import ServerContext
 from swarm_server.episode_lane import PlaneRoute, plane_router
-from swarm_server.errors import NotFound, Unprocessable, error_response
 from swarm_server.limits import BodyLimit
 
 __all__ = ["EPISODE_ROUTES", "router"]
@@ -97,13 +97,13 @@ def _converted(convert: Any, body: Any) -> Any:
     try:
         return convert(body)
     except original_wire.OriginalBodyError as exc:
-        raise Unprocessable([{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
+        raise SwarmValidationError(422, [{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
                               "type": "value_error"}],
-                            f"fix the field {exc.field}") from exc
+                                   f"fix the field {exc.field}") from exc
     except ValidationError as exc:  # a value this project's request model bounds tighter
         errors = [{"loc": ["body", *(str(p) for p in e["loc"])], "msg": e["msg"],
                    "type": e["type"]} for e in exc.errors()]
-        raise Unprocessable(errors, "fix the field(s): " + ", ".join(
+        raise SwarmValidationError(422, errors, "fix the field(s): " + ", ".join(
             ".".join(e["loc"][1:]) for e in errors)) from exc
 
 
@@ -199,5 +199,5 @@ async def unknown_openai_route(rest: str, _: Annotated[str, Depends(EPISODE_KEY)
                                ) -> Response:
     """Any other `/v1/` path: an OpenAI-shaped 404, once the episode key is checked."""
     served = ", ".join(row.path for row in EPISODE_ROUTES if row.openai and row.on_lane)
-    return error_response(NotFound(f"/v1/{rest} is not served on the episode plane",
-                                   f"the episode plane serves {served}"), openai=True)
+    return error_response(SwarmNotFound(404, f"/v1/{rest} is not served on the episode plane",
+                                        f"the episode plane serves {served}"), openai=True)

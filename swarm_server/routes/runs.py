@@ -24,9 +24,9 @@ from ajet.protocol import (
     RunPublic,
     RunsPage,
 )
+from ajet.errors import SwarmNotFound, SwarmValidationError
 from swarm_server.context import ServerContext
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
-from swarm_server.errors import BadRequest, NotFound
 from swarm_server.ledger import OPEN_RUN_STATUSES, RunRecord
 from swarm_server.run_files import (
     LogPattern,
@@ -133,13 +133,15 @@ def get_logs(
     pattern: LogPattern | None = None
     if grep and regex:
         if len(grep) > MAX_REGEX_CHARS:
-            raise BadRequest(f"regex longer than {MAX_REGEX_CHARS} characters",
-                             "shorten the pattern, or search a plain substring (regex=false)")
+            raise SwarmValidationError(
+                400, f"regex longer than {MAX_REGEX_CHARS} characters",
+                "shorten the pattern, or search a plain substring (regex=false)")
         try:
             pattern = compile_log_regex(grep)
         except ValueError as exc:
-            raise BadRequest(f"invalid regex {grep!r}: {exc}",
-                             "fix the pattern, or search a plain substring (regex=false)") from exc
+            raise SwarmValidationError(
+                400, f"invalid regex {grep!r}: {exc}",
+                "fix the pattern, or search a plain substring (regex=false)") from exc
     rec = _resolve(ctx, run_id)
     budget = ctx.settings.log_regex_timeout_s
     try:
@@ -147,9 +149,9 @@ def get_logs(
             ctx.engine.run_dir(rec.id) / "engine.log", tail=tail,
             grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget)
     except LogSearchTimeout as exc:
-        raise BadRequest(f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
-                         "use a simpler pattern (no nested or overlapping repetition), "
-                         "search a plain substring (regex=false), or lower tail") from exc
+        raise SwarmValidationError(400, f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
+                                   "use a simpler pattern (no nested or overlapping repetition), "
+                                   "search a plain substring (regex=false), or lower tail") from exc
     return LogsResponse(run_id=rec.id, lines=lines, total_lines=total, truncated=truncated)
 
 
@@ -176,8 +178,8 @@ def _resolve(ctx: ServerContext, run_id: str) -> RunRecord:
     rec = ctx.ledger.get_run(wanted) if wanted else None
     if rec is None:
         if run_id == CURRENT:
-            raise NotFound("no run yet", "call sync_train_config and start_engine first")
-        raise NotFound(f"no run {run_id!r}", "call list_runs (GET /runs) for the run ids")
+            raise SwarmNotFound(404, "no run yet", "call sync_train_config and start_engine first")
+        raise SwarmNotFound(404, f"no run {run_id!r}", "call list_runs (GET /runs) for the run ids")
     return rec
 
 

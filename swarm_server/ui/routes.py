@@ -30,10 +30,11 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 
 from ajet.code_review import escape_text
 from ajet.protocol import SERVER_CODE
+from ajet.errors import SwarmAuthError, SwarmHTTPError, SwarmNotFound
+from swarm_server.approvals import AUDIT_ACTION
 from swarm_server.auth import approver_of, bearer_token, role_of
 from swarm_server.context import ServerContext
 from swarm_server.deps import ConsoleAuth, Ctx
-from swarm_server.errors import ApiError, NotFound
 from swarm_server.ledger import RunRecord, SnapshotRecord
 from swarm_server.routes.approvals import decide
 from swarm_server.run_files import read_log_lines, read_metrics
@@ -183,10 +184,10 @@ def decide_form(
     if confirm.strip().lower() != rec.id[:_CONFIRM_CHARS]:
         return _redirect(f"/ui/snapshots/{rec.id}?message=confirmation+did+not+match+the+"
                          "snapshot+id%3B+nothing+was+decided")
-    decision = {"approve": "approved", "deny": "denied", "revoke": "revoked"}[action]
+    decision = {verb: state for state, verb in AUDIT_ACTION.items()}[action]
     try:
         decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id)
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         return _page("error.html", request, ctx, session, status_code=exc.status,
@@ -247,18 +248,14 @@ def pygments_css() -> Response:
 
 def _require_csrf(session: ConsoleSession, csrf: str | None) -> None:
     if not session.csrf_ok(csrf):
-        raise _CsrfRefused("missing or wrong CSRF token: the form was not sent by this "
-                           "console page", "reload the page and submit its form again")
-
-
-class _CsrfRefused(ApiError):
-    status = 403
+        raise SwarmAuthError(403, "missing or wrong CSRF token: the form was not sent by this "
+                             "console page", "reload the page and submit its form again")
 
 
 def _resolve(ctx: ServerContext, ref: str) -> SnapshotRecord:
     rec = ctx.snapshots.resolve(ref)
     if rec is None:
-        raise NotFound("the server's own code is not a snapshot", "open /ui/snapshots")
+        raise SwarmNotFound(404, "the server's own code is not a snapshot", "open /ui/snapshots")
     return rec
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from fastapi import Request
 
-from ajet.engine.plane.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
+from ajet.errors import EngineStateConflict, SwarmHTTPError, SwarmValidationError
+from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationHandle,
@@ -35,21 +36,7 @@ from ajet.engine.generation.interface import (
 )
 from ajet.engine.trajectory import Completion
 
-__all__ = ["EngineUnavailable", "Generation", "GenerationTracker",
-           "PromptTooLong", "start_generation"]
-
-
-class EngineUnavailable(EpisodeError):
-    """503: no policy loaded yet, shutting down, or generation failed (see the log)."""
-
-    status = 503
-
-
-class PromptTooLong(EpisodeError):
-    """400: the prompt does not fit the model's context or the KV cache."""
-
-    status = 400
-    param = "messages"
+__all__ = ["Generation", "GenerationTracker", "start_generation"]
 
 
 @dataclass(eq=False)  # one object per generation: hashed by identity
@@ -77,14 +64,15 @@ class Generation:
         if kind == "done" and isinstance(payload, BaseException):
             self.release()
             if isinstance(payload, GenerationCancelled):
-                raise EpisodeClosed(f"the reply for episode {self.episode_uuid} was cancelled "
-                                    "(the episode was aborted, or its client went away)",
-                                    "call begin_episode for a new episode")
+                raise EngineStateConflict(
+                    409, f"the reply for episode {self.episode_uuid} was cancelled "
+                    "(the episode was aborted, or its client went away)",
+                    "call begin_episode for a new episode")
             if isinstance(payload, GenerationInterrupted):
-                raise EngineUnavailable(f"generation was interrupted: {payload}",
-                                        "retry the request", retry_after_s=1.0)
-            raise EngineUnavailable(f"generation failed: {payload}",
-                                    "see the engine log (GET /runs/current/logs)")
+                raise SwarmHTTPError(503, f"generation was interrupted: {payload}",
+                                     "retry the request", retry_after_s=1.0)
+            raise SwarmHTTPError(503, f"generation failed: {payload}",
+                                 "see the engine log (GET /runs/current/logs)")
         return kind, payload
 
     async def wait(self) -> GenerationResult:
@@ -104,7 +92,7 @@ class Generation:
                                 tool_call_parse_error=tool_call_parse_error)
         self._close()
         if not self.registry.chat_finished(self.episode_uuid, completion):
-            raise EpisodeClosed(
+            raise EngineStateConflict(409,
                 f"episode {self.episode_uuid} was closed (aborted or timed out) while its "
                 "reply was generated; the reply is discarded",
                 "call begin_episode for a new episode")
@@ -190,11 +178,11 @@ def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uu
             session=episode_uuid))
     except GenerationRefused as exc:
         generation.release()
-        raise PromptTooLong(f"cannot generate for this prompt: {exc}",
-                            "shorten the conversation") from exc
+        raise SwarmValidationError(400, f"cannot generate for this prompt: {exc}",
+                                   "shorten the conversation", param="messages") from exc
     except RuntimeError as exc:
         generation.release()
-        raise EngineUnavailable(str(exc), "retry once the engine is ENGINE.ROLLING") from exc
+        raise SwarmHTTPError(503, str(exc), "retry once the engine is ENGINE.ROLLING") from exc
     if tracker is not None:
         tracker.add(generation)
     if request is not None and not streaming:
