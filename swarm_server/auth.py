@@ -30,11 +30,10 @@ from starlette.types import Scope
 from ajet.errors import SwarmAuthError
 from swarm_server.settings import Settings
 
-__all__ = ["APPROVER_PREFIX", "EPISODE_SCOPE", "ApproverRequirement", "ControlRequirement",
-           "EpisodeKeyRequirement", "ReaderRequirement",
-           "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
-           "bearer_token", "require_approver", "require_control", "require_reader",
-           "require_reviewer", "role_of"]
+__all__ = ["APPROVER_PREFIX", "CREDENTIAL_SCOPE", "EPISODE_SCOPE", "ApproverRequirement",
+           "ControlRequirement", "EpisodeKeyRequirement", "ReaderRequirement", "Requirement",
+           "ReviewerRequirement", "Role", "approver_of", "authenticate", "bearer_token",
+           "require_approver", "require_control", "require_reader", "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
@@ -44,6 +43,9 @@ APPROVER_PREFIX = "approver:"
 #: Where the first gate (`swarm_server.limits`) leaves the episode id of a verified
 #: episode key in the ASGI scope, so that the key is verified once per request.
 EPISODE_SCOPE = "ajet.episode_uuid"
+#: Where it leaves what `authenticate` found (a role, or `approver:<name>`).
+CREDENTIAL_SCOPE = "ajet.credential"
+_READER_ROLES = ("control", "worker", "open")
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -219,6 +221,14 @@ class ReaderRequirement(Requirement):
 
     def check(self, state: State, headers: Headers) -> Role:
         return require_reader(state.ctx.settings, _token(headers))
+
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> Role:
+        # the first gate's `authenticate` is `require_reader` for every token but an
+        # approver's: a reader role it found is this requirement, proven
+        found = scope.get(CREDENTIAL_SCOPE)
+        if found in _READER_ROLES:
+            return found  # type: ignore[no-any-return]
+        return self.check(state, headers)
 
 
 @dataclass(frozen=True)

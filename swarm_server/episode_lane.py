@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
@@ -68,6 +69,7 @@ __all__ = ["EpisodeLane", "Handler", "PlaneRoute", "plane_router"]
 #: the limits gate buffered (None for a route without a body, such as a GET).
 Handler = Callable[["ServerContext", Request, Any], Awaitable[Any]]
 _MISSING = object()
+_PATH_PARAM = re.compile(r"{(\w+)(?::\w+)?}")
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,10 @@ class PlaneRoute:
     model: Any = None
     #: with `model`: an empty body is a 422 (else the handler gets None)
     required: bool = True
-    #: OpenAPI: the answer's type, a one-line summary (the endpoint's docstring), the
+    #: OpenAPI: the answer's type, what the route does (the endpoint's docstring), the
     #: error statuses, and anything more (a raw body's schema)
     response_model: Any = None
-    summary: str = ""
+    description: str = ""
     responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
     openapi_extra: dict[str, Any] | None = None
     #: the endpoint's own name in the schema (its operation id)
@@ -121,7 +123,7 @@ def plane_router(rows: Sequence[PlaneRoute], **router_options: Any) -> APIRouter
     for row in rows:
         router.add_api_route(
             row.path, _endpoint(row), methods=[row.method], name=row.name or None,
-            response_model=row.response_model, summary=row.summary or None,
+            response_model=row.response_model, description=row.description or None,
             responses=row.responses, openapi_extra=row.openapi_extra,
             dependencies=[Depends(row.requirement), Depends(row.body_limit)])
     return router
@@ -131,7 +133,8 @@ def _endpoint(row: PlaneRoute) -> Callable[..., Awaitable[Any]]:
     """A FastAPI endpoint for the row: its signature tells FastAPI the body type."""
     reads_raw = row.model is None and row.method not in ("GET", "HEAD")
 
-    async def endpoint(request: Request, body: Any = None) -> Any:
+    async def endpoint(request: Request, body: Any = None, **_: Any) -> Any:
+        # path parameters arrive as keywords too; handlers read `request.path_params`
         if reads_raw:
             body = await request.body()  # what the limits gate buffered and bounded
         return await serve_row(row, request.app.state.ctx, request, body)
@@ -143,9 +146,11 @@ def _endpoint(row: PlaneRoute) -> Callable[..., Awaitable[Any]]:
         params.append(inspect.Parameter(
             "body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[kind, Body()],
             default=inspect.Parameter.empty if row.required else None))
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=str)
+               for name in _PATH_PARAM.findall(row.path)]
     endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     endpoint.__name__ = row.name or row.handler.__name__.strip("_")
-    endpoint.__doc__ = row.summary
+    endpoint.__doc__ = row.description
     return endpoint
 
 

@@ -56,6 +56,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ajet.protocol import ErrorBody
 from ajet.errors import PayloadTooLarge, SwarmHTTPError, SwarmValidationError, error_response
 from swarm_server.auth import (
+    CREDENTIAL_SCOPE,
     EPISODE_SCOPE,
     ControlRequirement,
     Requirement,
@@ -204,7 +205,7 @@ class LimitsMiddleware:
                 scope[EPISODE_SCOPE] = self.ctx.episodes.check_key(
                     bearer_token(headers.get("authorization")))
             else:
-                authenticate(self.settings, headers)
+                scope[CREDENTIAL_SCOPE] = authenticate(self.settings, headers)
         except SwarmHTTPError as exc:
             return _Refusal(exc, openai=path.startswith(EPISODE_PREFIX))
         return None

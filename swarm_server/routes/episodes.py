@@ -138,24 +138,24 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
         "POST", PlanePath.BEGIN_EPISODE, _begin, WORKER, EPISODE_BODY,
         model=BeginEpisodeRequest, required=False, response_model=BeginEpisodeResponse,
         name="begin_episode", responses=_ERRORS,
-        summary="Claim an episode; returns its id and an OpenAI base URL and API key bound "
+        description="Claim an episode; returns its id and an OpenAI base URL and API key bound "
                 "to it."),
     PlaneRoute(
         "POST", PlanePath.END_EPISODE, _end, WORKER, EPISODE_BODY,
         model=EndEpisodeRequest | OriginalEnd, response_model=EndEpisodeResponse,
         name="end_episode", responses=_ERRORS,
-        summary="Report an episode's reward; the engine trains on its group (not on an eval "
+        description="Report an episode's reward; the engine trains on its group (not on an eval "
                 "episode)."),
     PlaneRoute(
         "POST", PlanePath.ABORT_EPISODE, _abort, WORKER, EPISODE_BODY,
         model=AbortEpisodeRequest | OriginalEnd, response_model=dict[str, Any],
         name="abort_episode", responses=_ERRORS,
-        summary="Give an episode up; `requeued` is true when another claim can start right "
+        description="Give an episode up; `requeued` is true when another claim can start right "
                 "away."),
     PlaneRoute(
         "POST", PlanePath.CHAT_COMPLETIONS, _forwarded(PlanePath.CHAT_COMPLETIONS), EPISODE_KEY,
         CHAT_BODY, name="chat_completions", responses=_OPENAI_ERRORS,
-        summary="OpenAI-compatible chat for one episode; `Authorization: Bearer <episode "
+        description="OpenAI-compatible chat for one episode; `Authorization: Bearer <episode "
                 "key>`.",
         openapi_extra=_openai_body("OpenAI chat.completions body (docs/api.md)", ["messages"], {
             "messages": {"type": "array", "items": {"type": "object"}},
@@ -164,7 +164,7 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
     PlaneRoute(
         "POST", PlanePath.COMPLETIONS, _forwarded(PlanePath.COMPLETIONS), EPISODE_KEY,
         CHAT_BODY, name="completions", responses=_OPENAI_ERRORS,
-        summary="OpenAI-compatible text completion for one episode, recorded like a chat.",
+        description="OpenAI-compatible text completion for one episode, recorded like a chat.",
         openapi_extra=_openai_body("OpenAI completions body: one prompt in, text out",
                                    ["prompt"], {
             "prompt": {"type": "string"}, "stream": {"type": "boolean"},
@@ -172,7 +172,7 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
     PlaneRoute(
         "POST", PlanePath.RESPONSES, _forwarded(PlanePath.RESPONSES), EPISODE_KEY, CHAT_BODY,
         name="responses", responses=_OPENAI_ERRORS,
-        summary="OpenAI Responses API for one episode: stateless, recorded exactly like chat.",
+        description="OpenAI Responses API for one episode: stateless, recorded exactly like chat.",
         openapi_extra=_openai_body("OpenAI Responses body, stateless (docs/api.md)", ["input"], {
             "input": {"oneOf": [{"type": "string"},
                                 {"type": "array", "items": {"type": "object"}}]},
@@ -182,12 +182,12 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
     PlaneRoute(
         "GET", PlanePath.MODELS, _forwarded(PlanePath.MODELS), EPISODE_KEY, CHAT_BODY,
         name="list_models", responses=_ERRORS,
-        summary="The run's model, as OpenAI's model list; `Authorization: Bearer <episode "
+        description="The run's model, as OpenAI's model list; `Authorization: Bearer <episode "
                 "key>`."),
     PlaneRoute(
         "GET", PlanePath.MODELS + "/{model:path}", _retrieve_model, EPISODE_KEY, CHAT_BODY,
         name="retrieve_model", responses=_ERRORS,
-        summary="The run's model by name (404 for another name)."),
+        description="The run's model by name (404 for another name)."),
 )
 
 router = plane_router(EPISODE_ROUTES, tags=["episodes"])
