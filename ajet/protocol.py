@@ -121,10 +121,12 @@ class _Model(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error response: what went wrong and what to call next."""
+    """Every error response: what went wrong and what to call next (`ajet.errors`)."""
 
     detail: Any
     hint: str = ""
+    param: str | None = Field(default=None, description="The request field at fault, where "
+                                                        "one is named (sent only then)")
 
 
 # ---------------------------------------------------------------------------- control
