@@ -50,7 +50,7 @@ from fastapi import Body, Depends
 from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_json
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -189,8 +189,9 @@ class EpisodeLane:
         request = Request(scope, receive)
         try:
             # read first, whatever the handler does: the first `receive` is where the
-            # limits gate checks the row's requirement and body bound
-            raw = await request.body()
+            # limits gate checks the row's requirement and body bound (handlers get the
+            # body as an argument, never from `request`)
+            raw = await _body(receive)
             body = _parsed_body(model, row.required, request, raw) if model is not None else raw
             result = await serve_row(row, scope["app"].state.ctx, request, body)
             response = _as_response(result)
@@ -201,6 +202,18 @@ class EpisodeLane:
         except SwarmHTTPError as exc:
             response = error_response(exc, openai=row.openai)
         await response(scope, receive, send)
+
+
+async def _body(receive: Receive) -> bytes:
+    """The whole body (the limits gate hands it over as one message)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class _Invalid(Exception):
