@@ -235,7 +235,7 @@ class SwarmClient(OriginalClientMixin):
                 )
             time.sleep(poll_interval)
 
-    # ------------------------------------------------------------------ code (issue 4)
+    # ------------------------------------------------------------------ code
 
     def push_code(self, path: str | os.PathLike[str],
                   force_restart: bool = False) -> CodeSyncResult:
@@ -320,7 +320,7 @@ class SwarmClient(OriginalClientMixin):
         params = {"keep": keep} if keep is not None else None
         return self._call("POST", "/code/gc", params=params, model=GCResult)
 
-    # ------------------------------------------------------------------ runs (issue 5)
+    # ------------------------------------------------------------------ runs
 
     def list_runs(self, *, experiment_name: str | None = None, status: str | None = None,
                   offset: int = 0, limit: int = 20) -> RunsPage:
@@ -368,7 +368,7 @@ class SwarmClient(OriginalClientMixin):
 
         return compare_runs(self, run_ids, metric)
 
-    # ------------------------------------------------------------------ episodes (issue 3)
+    # ------------------------------------------------------------------ episodes
 
     def open_episode(self, discard_episode_timeout: float | None = None, *,
                      episode_type: str = "train", client_uuid: str | None = None,

@@ -84,7 +84,7 @@ class EngineState(str, enum.Enum):
 
 
 class ApprovalState(str, enum.Enum):
-    """Where a snapshot stands with the server's approvers (DESIGN.md point 8)."""
+    """Where a snapshot stands with the server's approvers (docs/design.md, "Approvals")."""
 
     #: The server has no approver tokens: nothing is enforced (laptop-side approval only).
     NOT_ENFORCED = "not_enforced"
