@@ -44,7 +44,7 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 HOST_PROVIDED = ("torch", "transformers", "peft", "tokenizers", "safetensors", "numpy",
                  "huggingface-hub")
 #: An offline `pip install -e .` of the checkout builds with these.
-BUILD_TOOLS = ("setuptools>=69", "wheel")
+BUILD_TOOLS = ("setuptools>=77", "wheel")
 
 
 def bundle_requirements(pyproject: Path = PROJECT_ROOT / "pyproject.toml") -> list[str]:
