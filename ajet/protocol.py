@@ -15,6 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 __all__ = [
     "AbortEpisodeRequest",
     "ActivateRequest",
+    "AgreeSyncWeightRequest",
     "ApprovalDecisionPublic",
     "ApprovalDecisionRequest",
     "ApprovalState",
@@ -29,6 +30,7 @@ __all__ = [
     "BeginEpisodeRequest",
     "BeginEpisodeResponse",
     "BlobsUploaded",
+    "CanContinueEpisodeRequest",
     "CodeSyncResult",
     "CommitRequest",
     "ConfigAccepted",
@@ -562,6 +564,19 @@ class AbortEpisodeRequest(_Model):
     client_uuid: str | None = Field(default=None, max_length=100,
                                     description="Must match the claiming client, if it named one")
     declare_client_active: bool = True
+
+
+class CanContinueEpisodeRequest(_Model):
+    """`POST /can_continue_episode`: is the episode still claimed by this client?"""
+
+    client_uuid: str = Field(max_length=100)
+    episode_uuid: str = Field(max_length=100)
+
+
+class AgreeSyncWeightRequest(_Model):
+    """`POST /agree_sync_weight`: this client agrees to the next update."""
+
+    client_uuid: str = Field(max_length=100)
 
 
 # ---------------------------------------------------------------------------- engine

@@ -12,7 +12,7 @@ returned as `notes` when the server accepts the job), or is refused with the rea
 (`backbone="trinity"`, `swarm_mode=False`, `use_kl_in_reward=True`); docs/compat.md
 has the table. Two YAML forms are read: this project's flat one (`to_yaml`,
 `from_yaml`) and the original's nested `ajet:` tree (`job.config`, `dump_job_as_yaml`,
-`build_job_from_yaml`), converted by `ajet.copilot.nested_config`. Keys of the nested
+`build_job_from_yaml`), converted by `ajet.compat.nested_config`. Keys of the nested
 tree with no meaning here are kept in `nested_extras` and listed, never dropped.
 """
 
@@ -39,7 +39,8 @@ from pydantic import (
     model_validator,
 )
 
-from ajet.copilot import nested_config
+# A boundary import: the job reads and writes the original's nested YAML too
+from ajet.compat import nested_config
 
 __all__ = ["LORA_LR_SCALE", "NO_EFFECT", "AgentJetJob", "JobValidationError",
            "default_job_values"]
