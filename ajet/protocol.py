@@ -153,6 +153,8 @@ class EngineStatus(BaseModel):
     snapshot_approval: ApprovalState = Field(
         default=ApprovalState.NOT_ENFORCED,
         description="Approval of the active code (the server's own code counts as approved)")
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where the current run's trackers write")
 
     # The original AgentJet server's keys, so its client (and scripts reading the dict of
     # `get_engine_status()`) find what they expect (docs/compat.md).
@@ -473,6 +475,9 @@ class RunPublic(BaseModel):
         description="Per metric: first, last, best, best_step",
     )
     provenance: Provenance | None = None
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where each of the job's trackers writes (for "
+                                          "TensorBoard, the command to read it)")
 
 
 class RunsPage(BaseModel):

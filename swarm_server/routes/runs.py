@@ -35,6 +35,7 @@ from swarm_server.run_files import (
     downsample,
     read_log_lines,
     read_metrics,
+    read_trackers,
     summarize,
 )
 
@@ -196,6 +197,7 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
         status=rec.status, final_state=rec.final_state, exit_code=rec.exit_code,
         reason=rec.reason, last_step=last_step, summary=summary,
         provenance=_provenance(ctx, rec.snapshot_id) if full else None,
+        trackers=read_trackers(ctx.engine.run_dir(rec.id)),
     )
 
 
