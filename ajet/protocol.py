@@ -480,6 +480,39 @@ class RunPublic(BaseModel):
                                           "TensorBoard, the command to read it)")
 
 
+class CheckpointInfo(BaseModel):
+    name: str = Field(description="final, step_<n>, or either with .partial (incomplete)")
+    kind: Literal["step", "final"]
+    step: int | None = None
+    complete: bool = Field(description="Fully written (no .partial): the only kind to download")
+    files: int
+    bytes: int
+    lora: bool | None = Field(default=None, description="An adapter (with the base named in "
+                                                        "adapter_config.json), not full weights")
+    merged: bool = Field(default=False, description="Has merged/: the adapter merged into the "
+                                                    "base, a plain checkpoint")
+
+
+class CheckpointsPage(BaseModel):
+    run_id: str
+    checkpoints: list[CheckpointInfo]
+
+
+class CheckpointFileHash(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class CheckpointManifest(BaseModel):
+    run_id: str
+    name: str
+    files: list[CheckpointFileHash]
+    archive_bytes: int = Field(description="Size of GET .../archive (a tar, the same bytes "
+                                           "every time)")
+    etag: str = Field(description="Changes when any file does; send as If-Range to resume")
+
+
 class RunsPage(BaseModel):
     runs: list[RunPublic]
     total: int

@@ -104,6 +104,8 @@ class Settings(BaseSettings):
                     "command line; server tests point it at tests.swarm_server.fake_engine",
     )
     boot_timeout_s: float = Field(default=300.0, gt=0)
+    #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
+    max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
     #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db
     mlflow_tracking_uri: str | None = Field(default=None, max_length=2000)
     stop_grace_s: float = Field(default=10.0, ge=0)
