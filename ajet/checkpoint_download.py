@@ -62,15 +62,11 @@ def download_checkpoint(client: SwarmClient, run_id: str, dest: Path, *,
     tag = dest / f".{page.run_id}-{name}.etag"
     resumable = part.is_file() and tag.is_file() and tag.read_text() == manifest.etag
     start = part.stat().st_size if resumable else 0
+    if start > manifest.archive_bytes:  # not this archive's bytes: start over
+        start = 0
     tag.write_text(manifest.etag)
-    with client.open_checkpoint_archive(page.run_id, name, start=start,
-                                        if_range=manifest.etag) as response:
-        mode = "ab" if response.status_code == 206 else "wb"
-        if start and mode == "ab":
-            log.info("resuming %s at byte %d", name, start)
-        with open(part, mode) as f:
-            for chunk in response.iter_bytes(_CHUNK):
-                f.write(chunk)
+    if start < manifest.archive_bytes:  # else all arrived before; only the checks are left
+        _fetch(client, page.run_id, name, part, start=start, etag=manifest.etag)
     got = part.stat().st_size
     if got != manifest.archive_bytes:
         raise DownloadError(f"{got} of {manifest.archive_bytes} bytes arrived; run the download "
@@ -78,9 +74,15 @@ def download_checkpoint(client: SwarmClient, run_id: str, dest: Path, *,
     staging = dest / f".{page.run_id}-{name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        with tarfile.open(part) as tar:
-            tar.extractall(staging, filter="data")
-        _verify(staging / name, manifest)
+        try:
+            with tarfile.open(part) as tar:
+                tar.extractall(staging, filter="data")
+            _verify(staging / name, manifest)
+        except (tarfile.TarError, DownloadError) as exc:
+            # bad bytes are not resumed: the next call downloads the archive again
+            part.unlink(missing_ok=True)
+            tag.unlink(missing_ok=True)
+            raise DownloadError(f"checkpoint {name} of run {page.run_id}: {exc}") from exc
         (staging / name).rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -89,6 +91,17 @@ def download_checkpoint(client: SwarmClient, run_id: str, dest: Path, *,
     log.info("checkpoint %s of run %s: %d files in %s", name, page.run_id,
              len(manifest.files), target)
     return target
+
+
+def _fetch(client: SwarmClient, run_id: str, name: str, part: Path, *, start: int,
+           etag: str) -> None:
+    with client.open_checkpoint_archive(run_id, name, start=start, if_range=etag) as response:
+        mode = "ab" if response.status_code == 206 else "wb"
+        if start and mode == "ab":
+            log.info("resuming %s at byte %d", name, start)
+        with open(part, mode) as f:
+            for chunk in response.iter_bytes(_CHUNK):
+                f.write(chunk)
 
 
 def _verify(folder: Path, manifest: CheckpointManifest) -> None:

@@ -1,10 +1,13 @@
-"""The job's trackers, read back with each tracker's own reader.
+"""Results where researchers look: the job's trackers, and the trained model out.
 
-One run on the tiny model with `logging: [tensorboard, mlflow, wandb, swanlab]`, two
-steps, through a real server and engine; then TensorBoard's event reader, the MLflow
-client, W&B's own protobuf records (its offline `run-*.wandb` file; wandb ships no
-offline reader, so the file's record framing is read here) and SwanLab's local files
-each show the reward curve and the snapshot id the run trained.
+One LoRA run on the tiny model with `logging: [tensorboard, mlflow, wandb, swanlab]` and
+`lora_save_merged`, two steps, through a real server and engine. Then:
+
+- TensorBoard's event reader, the MLflow client, W&B's own protobuf records (its offline
+  `run-*.wandb` file; wandb ships no offline reader, so the file's record framing is read
+  here) and SwanLab's local files each show the reward curve and the snapshot id;
+- the final checkpoint is listed, downloaded (whole, resumed, and by the CLI), verified
+  against the server's hashes, and loaded with `from_pretrained` (adapter and merged).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.tracking.trackers import TrackerSet
 from ajet.protocol import EngineState
-from tests.support import CONTROL_TOKEN, ServerHandle, rolling_server
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +38,8 @@ TRACKERS = ["tensorboard", "mlflow", "wandb", "swanlab"]
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerHandle, str]]:
     job = AgentJetJob(experiment_name="tracked", model="ajet-tiny", n_gpu=0, batch_size=1,
-                      num_repeat=2, max_steps=2, logging=TRACKERS)
+                      num_repeat=2, max_steps=2, logging=TRACKERS, lora_rank=4, lora_alpha=8,
+                      lora_save_merged=True)
     with rolling_server(tmp_path_factory.mktemp("trackers"), job) as server:
         with SwarmClient(server.url, token=CONTROL_TOKEN) as control:
             run_id = control.engine_status().run_id
@@ -206,3 +210,92 @@ def test_a_missing_tracker_package_is_refused_at_configure_time(
 def test_an_unknown_tracker_is_refused_with_the_names_that_exist() -> None:
     with pytest.raises(ValueError, match="tensorboard, wandb, mlflow, swanlab"):
         AgentJetJob(logging="neptune")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_the_final_checkpoint_is_listed_complete(finished_run: Any) -> None:
+    server, run_id = finished_run
+    with SwarmClient(server.url, token=CONTROL_TOKEN) as control:
+        page = control.list_checkpoints(run_id)
+    final = [c for c in page.checkpoints if c.name == "final"]
+    assert final and final[0].complete and final[0].lora and final[0].merged
+    assert final[0].step == 2 and final[0].bytes > 0
+
+
+def test_the_archive_is_the_same_bytes_every_time_and_ranges_resume(finished_run: Any) -> None:
+    import httpx
+
+    server, run_id = finished_run
+    url = f"{server.url}/runs/{run_id}/checkpoints/final/archive"
+    auth = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    first, second = httpx.get(url, headers=auth), httpx.get(url, headers=auth)
+    assert first.status_code == second.status_code == 200
+    assert first.content == second.content and first.headers["ETag"] == second.headers["ETag"]
+    tail = httpx.get(url, headers={**auth, "Range": "bytes=1000-"})
+    assert tail.status_code == 206 and tail.content == first.content[1000:]
+    assert tail.headers["Content-Range"] == f"bytes 1000-{len(first.content) - 1}/{len(first.content)}"
+    assert httpx.get(url, headers={**auth, "Range": f"bytes={len(first.content)}-"}).status_code == 416
+    stale = httpx.get(url, headers={**auth, "Range": "bytes=1000-", "If-Range": '"other"'})
+    assert stale.status_code == 200 and stale.content == first.content
+    worker = httpx.get(url, headers={"Authorization": f"Bearer {WORKER_TOKEN}"})
+    assert worker.status_code == 403
+    missing = httpx.get(f"{server.url}/runs/{run_id}/checkpoints/step_99/archive", headers=auth)
+    assert missing.status_code == 404 and "GET /runs/" in missing.json()["hint"]
+
+
+def test_a_download_resumes_verifies_and_loads(finished_run: Any, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    server, run_id = finished_run
+    with SwarmClient(server.url, token=CONTROL_TOKEN) as control:
+        manifest = control.checkpoint_manifest(run_id, "final")
+        # a download that broke off after 5000 bytes: the next call resumes it
+        with control.open_checkpoint_archive(run_id, "final") as response:
+            head = response.read()[:5000]
+        (tmp_path / f".{run_id}-final.tar.part").write_bytes(head)
+        (tmp_path / f".{run_id}-final.etag").write_text(manifest.etag)
+        path = control.download_checkpoint(run_id, tmp_path)
+    assert path == tmp_path / "final" and not list(tmp_path.glob(".*"))
+    assert {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} == \
+        {f.path for f in manifest.files}
+    adapter = AutoModelForCausalLM.from_pretrained(path)  # base + adapter (peft)
+    merged = AutoModelForCausalLM.from_pretrained(path / "merged")
+    assert adapter.config.vocab_size == merged.config.vocab_size
+
+
+def test_a_tampered_archive_is_refused_and_nothing_looks_finished(
+        finished_run: Any, tmp_path: Path) -> None:
+    from ajet.checkpoint_download import DownloadError
+
+    server, run_id = finished_run
+    with SwarmClient(server.url, token=CONTROL_TOKEN) as control:
+        manifest = control.checkpoint_manifest(run_id, "final")
+        with control.open_checkpoint_archive(run_id, "final") as response:
+            data = bytearray(response.read())
+        data[600] ^= 0xFF  # inside the first file's content (after its 512-byte header)
+        (tmp_path / f".{run_id}-final.tar.part").write_bytes(bytes(data))
+        (tmp_path / f".{run_id}-final.etag").write_text(manifest.etag)
+        with pytest.raises(DownloadError, match="sha256"):
+            control.download_checkpoint(run_id, tmp_path)
+        assert not (tmp_path / "final").exists() and not list(tmp_path.glob(".*"))
+        # the bad bytes are gone: the next call downloads again, and succeeds
+        assert control.download_checkpoint(run_id, tmp_path) == tmp_path / "final"
+
+
+def test_the_cli_downloads_into_a_folder(finished_run: Any, tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    server, run_id = finished_run
+    env = {**os.environ, "AJET_SWARM_TOKEN": CONTROL_TOKEN}
+    listed = subprocess.run([sys.executable, "-m", "swarm_server", "runs", "--swarm-url",
+                             server.url, "checkpoints", run_id], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert listed.returncode == 0 and "final" in listed.stdout and "complete" in listed.stdout
+    got = subprocess.run([sys.executable, "-m", "swarm_server", "runs", "--swarm-url",
+                          server.url, "download", run_id, str(tmp_path), "--checkpoint", "final"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert got.returncode == 0, got.stderr
+    assert (tmp_path / "final" / "adapter_config.json").is_file()
