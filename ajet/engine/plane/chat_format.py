@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ajet.engine.trajectory import ChatMessage, chat_message
+
 __all__ = [
     "QWEN25_RESPONSE_TEMPLATE",
     "ChatFormat",
@@ -122,6 +124,10 @@ class RenderedPrompt:
     ids: list[int]
     #: the prompt as text (what the response parser reads as its prefix)
     text: str
+    #: the messages as rendered, for the trajectory record (None: not a chat)
+    messages: tuple[ChatMessage, ...] | None = None
+    #: (message index, start, end) of each assistant message in `ids` (`assistant_spans`)
+    assistant_spans: tuple[tuple[int, int, int], ...] = ()
 
 
 def new_call_id() -> str:
@@ -164,14 +170,42 @@ class ChatFormat:
                 "never see them", "send no tools, or use a checkpoint whose chat template "
                 "takes `tools` (apply_chat_template(..., tools=...))", param="tools")
         text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
-        return RenderedPrompt(ids=ids, text=text)
+        return RenderedPrompt(ids=ids, text=text,
+                              messages=tuple(chat_message(m) for m in chat),
+                              assistant_spans=self.assistant_spans(chat, tool_list, ids,
+                                                                   template_kwargs or {}))
+
+    def assistant_spans(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        ids: list[int], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[int, int, int], ...]:
+        """Where each assistant message sits in the rendered prompt `ids`.
+
+        The message's block starts where the chat before it, rendered with the generation
+        prompt, ends, and ends where the chat up to it ends; both must be prefixes of
+        `ids` token for token. A message for which either is not (a template that
+        re-renders earlier turns, such as one that drops old reasoning) has no span, and
+        the trajectory keeps its tokens as they were rendered.
+        """
+        spans = []
+        for index, message in enumerate(chat):
+            if message.get("role") != "assistant" or index == 0:
+                continue
+            try:
+                before = self._apply(chat[:index], tools, kwargs)
+                upto = self._apply(chat[:index + 1], tools, kwargs, generation_prompt=False)
+            except FormatError:
+                continue
+            if (len(before) <= len(upto) and ids[:len(before)] == before
+                    and ids[:len(upto)] == upto):
+                spans.append((index, len(before), len(upto)))
+        return tuple(spans)
 
     def _apply(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               kwargs: dict[str, Any]) -> list[int]:
+               kwargs: dict[str, Any], *, generation_prompt: bool = True) -> list[int]:
         try:
             encoded = self.tokenizer.apply_chat_template(
-                chat, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-                sanitize_control_tokens=True, **kwargs)
+                chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=True,
+                return_dict=True, sanitize_control_tokens=True, **kwargs)
         except Exception as exc:  # jinja's TemplateError and whatever the template raises
             raise FormatError(f"the model's chat template cannot render these messages: {exc}",
                               "send messages in the roles and shapes the template accepts",
