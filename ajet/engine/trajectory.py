@@ -317,7 +317,7 @@ def _splice_chat(completions: Sequence[Completion], chain: list[int], c: Complet
     for a in sorted(at):
         j = at[a]
         start, end = spans_by_message[a]
-        glue = _glue(c.prompt_ids[start:end], completions[j].response_ids)
+        glue = _glue(c.prompt_ids[start:end], completions[j])
         if glue is None:
             return None
         tokens += c.prompt_ids[cursor:start]
@@ -328,22 +328,25 @@ def _splice_chat(completions: Sequence[Completion], chain: list[int], c: Complet
     return tokens, spans
 
 
-def _glue(region: Sequence[int], sampled: Sequence[int]) -> list[int] | None:
+def _glue(region: Sequence[int], reply: Completion) -> list[int] | None:
     """What the template writes after a re-sent reply (`region`) beyond what was sampled.
 
-    A reply that ended with the end-of-turn token: what follows that token's last
-    occurrence in the region (Qwen's newline after `<|im_end|>`). A reply cut short: the
-    region must begin with exactly the sampled tokens; the rest is the template's.
+    When the region begins with exactly the sampled tokens, the rest (Qwen's newline
+    after `<|im_end|>`, or the whole end of turn after a reply cut by max_tokens). When
+    it does not (the text re-encoded differently) and the reply ended by itself, its
+    last token is the end-of-turn token: what follows that token's last occurrence. A
+    cut reply that re-encoded differently cannot be placed: None.
     """
+    sampled = list(reply.response_ids)
     if not sampled:
         return None
-    end = sampled[-1]
-    if end in region:
-        last = len(region) - 1 - list(reversed(region)).index(end)
-        return list(region[last + 1:])
-    if list(region[:len(sampled)]) == list(sampled):
+    if list(region[:len(sampled)]) == sampled:
         return list(region[len(sampled):])
-    return None
+    end = sampled[-1]
+    if reply.finish_reason == "length" or end not in region:
+        return None
+    last = len(region) - 1 - list(reversed(region)).index(end)
+    return list(region[last + 1:])
 
 
 def _drift(completions: Sequence[Completion], chosen: Sequence[int]) -> int:
@@ -358,7 +361,7 @@ def _drift(completions: Sequence[Completion], chosen: Sequence[int]) -> int:
             if j is None or j in drifted:
                 continue
             region = list(c.prompt_ids[start:end])
-            glue = _glue(region, completions[j].response_ids)
+            glue = _glue(region, completions[j])
             rendered = region[:len(region) - len(glue)] if glue is not None else region
             if rendered != list(completions[j].response_ids):
                 drifted.add(j)
