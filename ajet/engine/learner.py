@@ -2,8 +2,8 @@
 
 Per epoch the batch's task groups are split into `mini_batch_num` mini-batches (whole
 groups, in order), and each mini-batch is one optimizer step: its micro-batches
-accumulate gradients of `loss.policy_loss` (normalised by the mini-batch's response-token
-count, so accumulation equals one big batch), then the gradient norm is clipped to
+accumulate gradients of `loss.policy_loss` (normalised by the mini-batch's trained-token
+count, the loss masks' ones, so accumulation equals one big batch), then the gradient norm is clipped to
 `max_grad_norm` and AdamW steps. Micro-batches are cut by a token budget
 (`micro_batch_tokens`: rows x longest prompt + response, padding included), not by a
 row count, so long responses make more micro-batches instead of a higher peak; a sample
