@@ -214,13 +214,15 @@ def build_samples(completions: Sequence[Completion], *, compare_level: CompareLe
                   encode: Encode | None = None, decode: Decode | None = None) -> Timelines:
     """The training samples of one episode (module docstring).
 
-    `agents` lists the agent names to train (empty: all). `encode`/`decode` (the
-    tokenizer's) are needed only to compare raw-prompt completions as text.
+    `agents` lists the agent names to train (empty: all). `encode`/`decode` are the
+    tokenizer's (text to ids without special tokens added, ids to text with them): they
+    place re-sent replies whose text re-encoded differently, and compare raw-prompt
+    completions as text; without them those stay separate samples.
     """
     if compare_level not in COMPARE_LEVELS:
         raise ValueError(f"compare level must be one of {COMPARE_LEVELS}, not {compare_level!r}")
     chosen = [i for i, c in enumerate(completions) if not agents or c.agent in agents]
-    drift = _drift(completions, chosen)
+    drift = _drift(completions, chosen, encode)
     if not merging:
         return Timelines([_sample(completions, _root(completions, i), set()) for i in chosen],
                          len(chosen), drift)
@@ -269,7 +271,7 @@ def _extend(completions: Sequence[Completion], nodes: dict[int, _Node], parent: 
     """`k` placed after `parent` on its timeline, or None if it does not extend it."""
     c, p = completions[k], completions[parent.index]
     if c.messages is not None and p.messages is not None:
-        prompt = _splice_chat(completions, _chain(nodes, parent), c, level)
+        prompt = _splice_chat(completions, _chain(nodes, parent), c, level, encode)
         if prompt is None:
             return None
         tokens, spans = prompt
@@ -293,7 +295,8 @@ def _extend(completions: Sequence[Completion], nodes: dict[int, _Node], parent: 
 
 
 def _splice_chat(completions: Sequence[Completion], chain: list[int], c: Completion,
-                 level: CompareLevel) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+                 level: CompareLevel, encode: Encode | None
+                 ) -> tuple[list[int], list[tuple[int, int, int]]] | None:
     """`c`'s prompt with the chain's sampled replies spliced in, and where they sit."""
     assert c.messages is not None
     # each chain call's reply is re-sent right after the messages that call saw
@@ -317,7 +320,7 @@ def _splice_chat(completions: Sequence[Completion], chain: list[int], c: Complet
     for a in sorted(at):
         j = at[a]
         start, end = spans_by_message[a]
-        glue = _glue(c.prompt_ids[start:end], completions[j])
+        glue = _glue(c.prompt_ids[start:end], completions[j], c.messages[a], encode)
         if glue is None:
             return None
         tokens += c.prompt_ids[cursor:start]
@@ -328,14 +331,16 @@ def _splice_chat(completions: Sequence[Completion], chain: list[int], c: Complet
     return tokens, spans
 
 
-def _glue(region: Sequence[int], reply: Completion) -> list[int] | None:
+def _glue(region: Sequence[int], reply: Completion, message: ChatMessage,
+          encode: Encode | None) -> list[int] | None:
     """What the template writes after a re-sent reply (`region`) beyond what was sampled.
 
-    When the region begins with exactly the sampled tokens, the rest (Qwen's newline
-    after `<|im_end|>`, or the whole end of turn after a reply cut by max_tokens). When
-    it does not (the text re-encoded differently) and the reply ended by itself, its
-    last token is the end-of-turn token: what follows that token's last occurrence. A
-    cut reply that re-encoded differently cannot be placed: None.
+    In order: the region begins with exactly the sampled tokens (the rest is Qwen's
+    newline after `<|im_end|>`, or the whole end of turn after a reply cut by
+    max_tokens); the reply ended by itself and its last token, the end of turn, is in
+    the region (what follows its last occurrence); the region begins with the message's
+    text encoded alone (a cut reply whose text re-encoded differently, or one whose
+    special tokens the served text left out). Otherwise it cannot be placed: None.
     """
     sampled = list(reply.response_ids)
     if not sampled:
@@ -343,13 +348,18 @@ def _glue(region: Sequence[int], reply: Completion) -> list[int] | None:
     if list(region[:len(sampled)]) == sampled:
         return list(region[len(sampled):])
     end = sampled[-1]
-    if reply.finish_reason == "length" or end not in region:
-        return None
-    last = len(region) - 1 - list(reversed(region)).index(end)
-    return list(region[last + 1:])
+    if reply.finish_reason != "length" and end in region:
+        last = len(region) - 1 - list(reversed(region)).index(end)
+        return list(region[last + 1:])
+    if encode is not None and not message.tool_calls:
+        text = encode(message.content)
+        if list(region[:len(text)]) == text:
+            return list(region[len(text):])
+    return None
 
 
-def _drift(completions: Sequence[Completion], chosen: Sequence[int]) -> int:
+def _drift(completions: Sequence[Completion], chosen: Sequence[int], encode: Encode | None
+           ) -> int:
     """Replies re-sent later whose re-rendered tokens differ from the sampled ones."""
     drifted: set[int] = set()
     for k in chosen:
@@ -361,7 +371,7 @@ def _drift(completions: Sequence[Completion], chosen: Sequence[int]) -> int:
             if j is None or j in drifted:
                 continue
             region = list(c.prompt_ids[start:end])
-            glue = _glue(region, completions[j])
+            glue = _glue(region, completions[j], c.messages[index], encode)
             rendered = region[:len(region) - len(glue)] if glue is not None else region
             if rendered != list(completions[j].response_ids):
                 drifted.add(j)

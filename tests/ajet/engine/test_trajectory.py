@@ -69,13 +69,14 @@ class Episode:
              end: bool = True) -> Completion:
         prompt = self.fmt.render(messages, tools=tools)
         ids = self.ids(sampled) if isinstance(sampled, str) else list(sampled)
-        text = self.tok.decode(ids, skip_special_tokens=False)
+        # the reply as served: special tokens the model sampled are left out of the text
+        text = self.tok.decode(ids, skip_special_tokens=True)
         reply = self.fmt.parse(text, prompt_text=prompt.text, tools=tools) if tools else None
         response = [*ids, self.end] if end else ids
         n = len(self.completions)
         c = Completion(tuple(prompt.ids), tuple(response),
                        tuple(-0.01 * (n + 1) - 0.001 * i for i in range(len(response))),
-                       "stop", 0, agent=agent, messages=prompt.messages,
+                       "stop" if end else "length", 0, agent=agent, messages=prompt.messages,
                        assistant_spans=prompt.assistant_spans,
                        reply=reply_message(reply.content, [(t.name, t.arguments)
                                                            for t in reply.tool_calls])
@@ -210,6 +211,20 @@ def test_drift_what_each_compare_level_gives(merging_tokenizer: Any) -> None:
         assert [s.completions for s in timelines.samples] == [(0, 1)]
         assert sampled_part(timelines.samples[0]) == [*c1.response_ids, *c2.response_ids]
         assert timelines.retokenisation_drift == 1
+
+    # a reply cut by max_tokens that re-encodes differently (here: a special token the
+    # served text left out) is placed by encoding the re-sent text alone
+    ep = Episode(tok)
+    start_token = tok.convert_tokens_to_ids("<|im_start|>")
+    cut = [*ep.ids("12"), start_token, *ep.ids("34")]
+    ep.call(first, cut, end=False)
+    ep.call([*first, {"role": "assistant", "content": "1234"},
+             {"role": "user", "content": "More."}], "56")
+    assert [s.completions for s in build_samples(ep.completions).samples] == [(0,), (1,)]
+    placed = build_samples(ep.completions, encode=ep.ids)
+    assert [s.completions for s in placed.samples] == [(0, 1)]
+    assert sampled_part(placed.samples[0]) == [*cut, *ep.completions[1].response_ids]
+    assert placed.retokenisation_drift == 1
 
     # a history whose text re-encodes differently: a raw-prompt client appends the reply
     # text to its prompt. token: the prompts do not extend token for token, two samples;
