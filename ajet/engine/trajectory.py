@@ -31,18 +31,22 @@ would train re-tokenised text instead of what was sampled. Once an episode has e
    is trained once (the mask is on in the first sample that holds it, off in the
    others). A call identical to an earlier one (same prompt, same reply) counts once.
 
-A small example, tokens as letters (S system, U user text, T tool result, '|' a
-template token):
+A small example. Brackets are template and environment tokens ([sys], [user] and
+[tool] turns, [asst] the assistant header, [end] the end of turn, [nl] the newline the
+template writes after it); x, y, z are sampled tokens:
 
-    call 1  prompt  |S|U|a          sampled  x y |          (a = assistant prefix)
-    call 2  prompt  |S|U|a x' y |T|a   sampled  z |         (x' = x re-rendered)
+    call 1  prompt   [sys] [user] [asst]
+            sampled  x y [end]
+    call 2  prompt   [sys] [user] [asst] x' y [end] [nl] [tool] [asst]
+            sampled  z [end]
 
-Call 2's messages are call 1's plus call 1's reply (matched by content) plus a tool
-result. Splicing puts the sampled `x y |` where the template wrote `x' y |`; the rest
-(`|S|U|a`) matches call 1 token for token, so one sample:
+Call 2's messages are call 1's, then call 1's reply (matched by content), then a tool
+result; the template re-rendered the reply as x' y (say, `{"a": 1}` for a sampled
+`{"a":1}`). Splicing puts the sampled `x y [end]` there; what comes before it matches
+call 1 token for token, so the two calls are one sample:
 
-    tokens  |S|U|a x y | |T|a z |
-    mask     0 0 0 0 1 1 1 0 0 0 0 1 1
+    tokens  [sys] [user] [asst] x y [end] [nl] [tool] [asst] z [end]
+    mask      0     0      0    1 1   1    0     0      0    1   1
 
 `retokenisation_drift` counts re-sent replies whose re-rendered tokens were not the
 sampled ones (`x'` above): without splicing those would have been trained instead.
