@@ -181,24 +181,64 @@ class ChatFormat:
         """Where each assistant message sits in the rendered prompt `ids`.
 
         The message's block starts where the chat before it, rendered with the generation
-        prompt, ends, and ends where the chat up to it ends; both must be prefixes of
-        `ids` token for token. A message for which either is not (a template that
-        re-renders earlier turns, such as one that drops old reasoning) has no span, and
-        the trajectory keeps its tokens as they were rendered.
+        prompt, ends, and ends where the chat up to it ends; both must be prefixes of the
+        prompt. A message for which either is not (a template that re-renders earlier
+        turns, such as one that drops old reasoning) has no span, and the trajectory
+        keeps its tokens as they were rendered. The prefixes are rendered as text and
+        placed with the fast tokenizer's offsets (one tokenisation of the whole prompt);
+        where the prompt's ids are not that tokenisation (a control token written as
+        text) each prefix is tokenised instead.
         """
+        indices = [i for i, m in enumerate(chat) if m.get("role") == "assistant" and i > 0]
+        if not indices:
+            return ()
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        starts = self._token_starts(text, ids)
         spans = []
-        for index, message in enumerate(chat):
-            if message.get("role") != "assistant" or index == 0:
-                continue
+        for index in indices:
             try:
-                before = self._apply(chat[:index], tools, kwargs)
-                upto = self._apply(chat[:index + 1], tools, kwargs, generation_prompt=False)
+                if starts is None:
+                    head_ids = self._apply(chat[:index], tools, kwargs)
+                    block_ids = self._apply(chat[:index + 1], tools, kwargs,
+                                            generation_prompt=False)
+                    before, upto = len(head_ids), len(block_ids)
+                    placed = ids[:before] == head_ids and ids[:upto] == block_ids
+                else:
+                    head = self._render_text(chat[:index], tools, kwargs, True)
+                    block = self._render_text(chat[:index + 1], tools, kwargs, False)
+                    placed = (text.startswith(head) and text.startswith(block)
+                              and len(head) in starts and len(block) in starts)
+                    before = starts.get(len(head), 0)
+                    upto = starts.get(len(block), 0)
             except FormatError:
                 continue
-            if (len(before) <= len(upto) and ids[:len(before)] == before
-                    and ids[:len(upto)] == upto):
-                spans.append((index, len(before), len(upto)))
+            if placed and before <= upto:
+                spans.append((index, before, upto))
         return tuple(spans)
+
+    def _token_starts(self, text: str, ids: list[int]) -> dict[int, int] | None:
+        """Character offset -> index of the token starting there (the end: len(ids))."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return None
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if [int(i) for i in encoded["input_ids"]] != ids:
+            return None
+        starts: dict[int, int] = {}
+        for index, (begin, _) in enumerate(encoded["offset_mapping"]):
+            starts.setdefault(int(begin), index)
+        starts[len(text)] = len(ids)
+        return starts
+
+    def _render_text(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any], generation_prompt: bool) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
+                **kwargs))
+        except Exception as exc:  # as in _apply: whatever the template raises
+            raise FormatError(f"the model's chat template cannot render these messages: {exc}",
+                              "send messages in the roles and shapes the template accepts",
+                              param="messages") from exc
 
     def _apply(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any], *, generation_prompt: bool = True) -> list[int]:

@@ -95,6 +95,12 @@ def call_message(arguments: str, call_id: str = "call_1") -> dict[str, Any]:
          "function": {"name": "get_weather", "arguments": arguments}}]}
 
 
+SECOND = [SYSTEM, QUESTION, call_message(json.dumps({"city": "Paris"})),
+          {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+THIRD = [*SECOND, {"role": "assistant", "content": "It is sunny."},
+         {"role": "user", "content": "And tomorrow?"}]
+
+
 def tool_episode(tok: Any) -> Episode:
     """Call 1 samples a compact tool call; the client re-sends it spaced; call 2 answers;
     a follow-up question quotes the answer; call 3 answers again."""
@@ -102,12 +108,8 @@ def tool_episode(tok: Any) -> Episode:
     first = [SYSTEM, QUESTION]
     ep.call(first, '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris"}}\n'
                    '</tool_call>', tools=[TOOL])
-    second = [*first, call_message(json.dumps({"city": "Paris"})),
-              {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    ep.call(second, "It is sunny.", tools=[TOOL])
-    third = [*second, {"role": "assistant", "content": "It is sunny."},
-             {"role": "user", "content": "And tomorrow?"}]
-    ep.call(third, "Rain.", tools=[TOOL])
+    ep.call(SECOND, "It is sunny.", tools=[TOOL])
+    ep.call(THIRD, "Rain.", tools=[TOOL])
     return ep
 
 
@@ -138,6 +140,11 @@ def test_a_tool_episode_is_one_sample_with_every_sampled_token_trained(tokenizer
         assert sample.trained_tokens + sample.prompt_tokens == len(sample.token_ids)
         # the tool call came back re-rendered: one turn of drift
         assert timelines.retokenisation_drift == 1
+    # the spans placed from the tokenizer's offsets are those of rendering each prefix
+    slow = ChatFormat(tokenizer)
+    slow._token_starts = lambda text, ids: None  # type: ignore[method-assign]
+    assert c3.assistant_spans and slow.render(THIRD, tools=[TOOL]).assistant_spans == \
+        c3.assistant_spans
     # without merging: one sample per call, each with its own prompt as it saw it
     plain = build_samples(ep.completions, merging=False)
     assert [s.completions for s in plain.samples] == [(0,), (1,), (2,)]
