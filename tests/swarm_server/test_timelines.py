@@ -20,8 +20,10 @@ from ajet.errors import SwarmNotFound
 from ajet.protocol import SamplePublic
 from tests.swarm_server.test_episodes import begin
 from tests.tool_model import (
+    CALLS,
     SYSTEM,
     TOOL,
+    WEATHER_ANSWER,
     WEATHER_QUESTION,
     get_weather,
     last_step,
@@ -72,7 +74,7 @@ def test_openai_chat_and_responses_tool_loops_train_as_one_sample_each(
     replies = []
     for turn in range(3):
         reply = client.chat.completions.create(model="weather-agent", messages=history,
-                                               tools=[TOOL], logprobs=True, max_tokens=48)
+                                               tools=[TOOL], logprobs=True, max_tokens=96)
         replies.append(reply)
         message = reply.choices[0].message
         history.append(message.model_dump(exclude_none=True))
@@ -83,6 +85,9 @@ def test_openai_chat_and_responses_tool_loops_train_as_one_sample_each(
         if not message.tool_calls:
             history.append({"role": "user", "content": f'You said "{message.content}". '
                                                        "Thanks, and tomorrow?"})
+
+    assert replies[0].choices[0].message.tool_calls  # the model called the tool
+    assert replies[1].choices[0].message.content == WEATHER_ANSWER
 
     # Responses: the function call, then its output as input items
     responses = begin(tool_worker)
@@ -179,7 +184,9 @@ def test_a_langchain_retry_that_drops_context_and_an_openai_agents_runner(
         model=OpenAIChatCompletionsModel(model="runner", openai_client=openai.AsyncOpenAI(
             base_url=ag.openai_base_url, api_key=ag.openai_api_key, max_retries=0)),
         model_settings=ModelSettings(max_tokens=96))
+    CALLS.clear()
     result = Runner.run_sync(agent, WEATHER_QUESTION)
+    assert CALLS == ["Paris"] and result.final_output == WEATHER_ANSWER
 
     tool_worker.report_episode(lc.episode_uuid, "lc-retry", 1.0)
     tool_worker.report_episode(ag.episode_uuid, "runner", 0.0)
@@ -206,4 +213,5 @@ def test_a_langchain_retry_that_drops_context_and_an_openai_agents_runner(
     assert runner.completions == list(range(len(calls))) and runner.agent == "runner"
     assert sum(runner.loss_mask) == sum(r.usage.output_tokens for r in calls)
     assert runner.loss_mask.index(1) == calls[0].usage.input_tokens
-    assert line["train/samples"] == 3 and line["train/completions"] == 3 + len(calls)
+    assert len(calls) == 2  # the tool call, then the answer: one timeline
+    assert line["train/samples"] == 3 and line["train/completions"] == 5
