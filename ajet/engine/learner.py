@@ -106,6 +106,10 @@ class UpdateStats:
     tokens: int
     samples: int
     seconds: float
+    #: the publication of the new weights to the inference model (part of `seconds`)
+    publish_time_s: float = 0.0
+    #: bytes of full weights it produced, in the inference model's dtype
+    publish_bytes: int = 0
 
 
 class Learner:
@@ -171,11 +175,12 @@ class Learner:
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.model.train(False)
-            self.model.publish()
+            published = self.model.publish()
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
-            samples=len(samples), seconds=time.perf_counter() - start)
+            samples=len(samples), seconds=time.perf_counter() - start,
+            publish_time_s=published.seconds, publish_bytes=published.bytes)
 
     def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int
                      ) -> tuple[LossTerms, float]:

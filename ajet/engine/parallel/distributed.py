@@ -38,14 +38,16 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Dist", "clip_grad_norm", "copy_full_weights", "init_distributed",
+__all__ = ["PUBLISH_BUCKET_BYTES", "Dist", "Publication", "clip_grad_norm",
+           "copy_full_weights", "gather_full_weights", "init_distributed",
            "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
@@ -153,27 +155,159 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
+#: Bytes of full (gathered) weights per publication collective: parameters are gathered
+#: in buckets of about this size (a larger parameter goes alone), so a 7B model takes a
+#: few dozen calls instead of one per parameter, and the extra device memory while
+#: publishing is one bucket (plus one parameter being unpacked).
+PUBLISH_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What one publication of full weights did (the step metrics' `publish_*` fields)."""
+
+    #: wall time of the gather and the copy
+    seconds: float = 0.0
+    #: bytes of full weights produced, in the dtype they were gathered in
+    bytes: int = 0
+    #: parameters published
+    tensors: int = 0
+    #: all-gathers issued (0 when nothing was sharded)
+    collectives: int = 0
+
+
+def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
+                        dtype: Callable[[str, torch.Tensor], torch.dtype] | torch.dtype | None
+                        = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES,
+                        counts: list[int] | None = None,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each `(name, full tensor)` of `named`, gathered whole if it is an FSDP2 shard.
+
+    The building block of every "full weights out of the shards" path (the inference
+    copy, a shared LoRA base, a bf16 export). Collective when anything is sharded: every
+    rank iterates it to the end, over the same names in the same order, with the same
+    dtypes. `dtype` (one dtype, or a function of the name and the source tensor) is the
+    dtype each tensor is gathered in: a shard is cast *before* the all-gather, so a bf16
+    publication of fp32 masters moves half the bytes; None keeps the stored dtype.
+
+    Dim-0 shards (FSDP2's `Shard(0)` on a 1-D mesh, torch.chunk's split) are packed into
+    one buffer per bucket of about `bucket_bytes` full bytes, each rank's chunk padded to
+    the longest one, and gathered with one `all_gather_into_tensor`; anything else
+    (another placement, a plain tensor) is taken one tensor at a time. A yielded tensor
+    may be a view of the bucket's buffer: use or copy it before asking for the next one.
+    With `counts` (a list of one int) the number of all-gathers is added to `counts[0]`.
+    """
+    def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+        if dtype is None:
+            return tensor.dtype
+        return dtype if isinstance(dtype, torch.dtype) else dtype(name, tensor)
+
+    bucket: list[tuple[str, DTensor]] = []
+    bucket_key: tuple[Any, torch.dtype] | None = None
+    filled = 0
+    for name, tensor in named:
+        want = dtype_of(name, tensor)
+        if not _dim0_sharded(tensor):
+            yield from _gather_bucket(bucket, bucket_key, counts)
+            bucket, bucket_key, filled = [], None, 0
+            if isinstance(tensor, DTensor):  # another layout: its own gather, cast first
+                if counts is not None:
+                    counts[0] += 1
+                yield name, tensor.detach().to(want).full_tensor()
+            else:
+                yield name, tensor.detach().to(want)
+            continue
+        assert isinstance(tensor, DTensor)
+        key = (tensor.device_mesh.get_group(), want)
+        size = tensor.numel() * want.itemsize
+        if bucket and (key != bucket_key or filled + size > bucket_bytes):
+            yield from _gather_bucket(bucket, bucket_key, counts)
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        bucket_key = key
+        filled += size
+    yield from _gather_bucket(bucket, bucket_key, counts)
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1
+            and tuple(tensor.placements) == (Shard(0),) and tensor.dim() > 0)
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtype] | None,
+                   counts: list[int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all-gather for a bucket of dim-0 shards; their full tensors, in order."""
+    if not bucket or key is None:
+        return
+    group, want = key
+    world = bucket[0][1].device_mesh.size()
+    # each parameter's slot: its largest chunk (torch.chunk: ceil(rows / world) rows),
+    # so every rank sends the same number of elements; rank r's rows start at r * chunk
+    slots = []
+    offset = 0
+    for _name, param in bucket:
+        rows = param.shape[0]
+        chunk = -(-rows // world)
+        row_numel = param.numel() // rows if rows else 0
+        slots.append((offset, chunk, row_numel))
+        offset += chunk * row_numel
+    local0 = bucket[0][1].to_local()
+    send = torch.empty(offset, dtype=want, device=local0.device)  # (S,): padding unread
+    for (_name, param), (start, _chunk, _row) in zip(bucket, slots, strict=True):
+        local = param.to_local().detach()
+        send[start:start + local.numel()].copy_(local.reshape(-1))  # the cast happens here
+    received = torch.empty(world * offset, dtype=want, device=local0.device)  # (N * S,)
+    torch_dist.all_gather_into_tensor(received, send, group=group)
+    if counts is not None:
+        counts[0] += 1
+    del send
+    by_rank = received.view(world, offset)  # (N, S)
+    for (name, param), (start, chunk, row_numel) in zip(bucket, slots, strict=True):
+        rows = param.shape[0]
+        # (N, chunk * row) -> (N * chunk, *rest): rank-ordered chunks; the padding is the tail
+        full = by_rank[:, start:start + chunk * row_numel].reshape(
+            world * chunk, *param.shape[1:])[:rows]
+        yield name, full
+
+
 def copy_full_weights(source: nn.Module, target: nn.Module | None, *,
-                      trainable_only: bool = False) -> None:
+                      trainable_only: bool = False, dtype: torch.dtype | None = None,
+                      bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Publication:
     """Copy `source`'s weights, gathered whole if sharded, into `target` (by name).
 
     The one way to get full (unsharded) weights for inference out of the trained model:
-    `target` is a plain module of the same architecture (any dtype, any device); ranks
-    without one pass None. Collective when `source` is sharded: every rank calls it, in
-    the same order. One parameter is gathered at a time, so the extra memory is that of
-    the largest parameter (the embedding). `trainable_only` skips frozen parameters
-    (LoRA: only the adapters change in an update). `source is target` does nothing.
+    `target` is a plain module of the same architecture (any dtype, any device). Each
+    weight is gathered in `dtype`, else in the target parameter's dtype (bf16 for a bf16
+    inference copy of fp32 masters: the shards are cast before the gather), else in its
+    own; ranks without a target pass None and then must pass `dtype` (every rank gathers
+    in the same dtype). Collective when `source` is sharded: every rank calls it, in the
+    same order; parameters go in buckets of about `bucket_bytes` (`gather_full_weights`).
+    `trainable_only` skips frozen parameters (LoRA: only the adapters change in an
+    update). `source is target` does nothing. Returns what was published.
     """
     if source is target:
-        return
+        return Publication()
+    start = time.perf_counter()
     targets = dict(target.named_parameters()) if target is not None else {}
+
+    def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+        if dtype is not None:
+            return dtype
+        return targets[name].dtype if name in targets else tensor.dtype
+
+    named = [(n, p) for n, p in source.named_parameters()
+             if not (trainable_only and not p.requires_grad)]
+    counts = [0]
+    total = tensors = 0
     with torch.no_grad():
-        for name, param in source.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+        for name, full in gather_full_weights(named, dtype=dtype_of, bucket_bytes=bucket_bytes,
+                                              counts=counts):
+            total += full.numel() * full.element_size()
+            tensors += 1
             if target is not None:
                 targets[name].copy_(full)
+    return Publication(seconds=time.perf_counter() - start, bytes=total, tensors=tensors,
+                       collectives=counts[0])
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
