@@ -147,7 +147,7 @@ class Learner:
                         mine = [s for s in part if s.group % dist.world_size == dist.rank]
                         micros = micro_batches(mine, cfg.micro_batch_tokens)
                         # every rank runs as many passes as the busiest one (FSDP collectives)
-                        n_micro = dist.max_int(len(micros), self.policy.device)
+                        n_micro = dist.max_int(len(micros))
                         self.optimizer.zero_grad(set_to_none=True)
                         # local sums: loss (already / part_tokens), kl, entropy, clipped tokens
                         sums = [0.0, 0.0, 0.0, 0.0]
@@ -164,7 +164,7 @@ class Learner:
                             sums[1] += terms.kl_sum if cfg.kl_coef > 0 else terms.approx_kl_old_sum
                             sums[2] += entropy
                             sums[3] += terms.clipped_tokens
-                        sums = dist.sum_floats(sums, self.policy.device)
+                        sums = dist.sum_floats(sums)
                         grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
                         self.optimizer.step()
                         losses.append(sums[0])

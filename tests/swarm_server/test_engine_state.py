@@ -354,6 +354,41 @@ def test_snapshot_env_log_line_and_code_check(tmp_path: Path) -> None:
     h.ctl.shutdown()
 
 
+def test_every_ranks_content_id_must_be_the_active_snapshots_whatever_its_folder(
+        tmp_path: Path) -> None:
+    snaps = FixedSnapshots(tmp_path)
+    h = make_harness(tmp_path, snapshots=snaps)
+    h.configure()
+    good = "a" * 64  # the active snapshot's id
+    # node 1 keeps its copy under another folder name: the same content is accepted
+    elsewhere = str(tmp_path / "node1" / "ajet_temp" / "20250102-101010" / "ajet" / "__init__.py")
+    h.ctl.start(role="control")
+    proc = h.spawner.latest()
+    proc.report = EngineReport(state=S.ROLLING, pid=proc.pid,
+                               ajet_file=str(snaps.base / "ajet" / "__init__.py"),
+                               world_size=2, snapshot_id=good,
+                               ranks_ajet_files=[str(snaps.base / "ajet" / "__init__.py"),
+                                                 elsewhere],
+                               ranks_snapshot_ids=[good, good])
+    wait_until(lambda: h.ctl.state is S.ROLLING)
+    h.ctl.stop(role="control", reason="test")
+
+    # rank 1 imported other code (say, a stale copy in the right folder): refused
+    h.ctl.start(role="control")
+    proc = h.spawner.latest()
+    proc.report = EngineReport(state=S.ROLLING, pid=proc.pid,
+                               ajet_file=str(snaps.base / "ajet" / "__init__.py"),
+                               world_size=2, snapshot_id=good,
+                               ranks_ajet_files=[str(snaps.base / "ajet" / "__init__.py")] * 2,
+                               ranks_snapshot_ids=[good, "b" * 64])
+    wait_until(lambda: h.ctl.state is S.OFFLINE)
+    err = h.ctl.status().last_error
+    assert err is not None and "rank 1 imported ajet bbbbbbbbbbbb" in err.reason
+    assert "not from the active snapshot aaaaaaaaaaaa" in err.reason
+    assert proc.signals == [signal.SIGTERM]
+    h.ctl.shutdown()
+
+
 # ---------------------------------------------------------------------------- config
 
 

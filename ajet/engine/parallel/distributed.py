@@ -22,11 +22,22 @@ Besides FSDP the engine needs a few collectives, all behind `Dist`: broadcast a 
 object from rank 0 (the step's batch, a checkpoint request, or "stop"), sum a few floats
 (metrics), the largest of one integer (the step's micro-batch count, so every rank runs
 as many forward and backward passes as FSDP's all-gathers expect), gather one object per
-rank (each rank's `ajet.__file__`), full weights out of the shards (`full_state_dict` for
-checkpoints, `copy_full_weights` for the inference model). With one process `Dist` does
-them locally without touching torch.distributed and never shards the model, so the
-single-process engine has no "am I distributed?" branches and no FSDP overhead (the
-null object of nanochat's `DummyWandb`).
+rank (each rank's code id and generation endpoint), full weights out of the shards
+(`full_state_dict` for checkpoints, `copy_full_weights` for the inference model). With
+one process `Dist` does them locally without touching torch.distributed and never
+shards the model, so the single-process engine has no "am I distributed?" branches and
+no FSDP overhead (the null object of nanochat's `DummyWandb`).
+
+Two process groups. The default group (NCCL on GPUs, gloo on CPU) carries tensors only:
+FSDP's all-gathers and reduce-scatters, the publication, the checkpoint gathers. Its
+timeout (`collective_timeout_min`, 30 minutes) is sized for the longest real collective,
+and NCCL's async error handling tears a rank down when one fails or times out. Every
+control message (rank 0's commands and batches, the metric sums, the micro-batch count,
+the boot gathers) goes over a second, CPU group (gloo, `Dist.control`) with a long
+timeout: a follower waits there for rank 0's next command for as long as rank 0 takes to
+collect a step. Had that wait been an NCCL broadcast, it would sit on the follower's
+device stream, and the follower's own generator, whose forwards run on the same stream,
+would queue behind it until the batch was complete.
 """
 
 from __future__ import annotations
@@ -36,7 +47,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -46,16 +57,19 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["PUBLISH_BUCKET_BYTES", "Dist", "Publication", "clip_grad_norm",
-           "copy_full_weights", "gather_full_weights", "init_distributed",
-           "start_orphan_watchdog"]
+__all__ = ["CONTROL_TIMEOUT", "DEFAULT_COLLECTIVE_TIMEOUT_S", "PUBLISH_BUCKET_BYTES", "Dist",
+           "Publication", "clip_grad_norm", "copy_full_weights", "gather_full_weights",
+           "group_store", "init_distributed", "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Followers wait in a broadcast while rank 0 collects a step; that may take hours.
-_COLLECTIVE_TIMEOUT = timedelta(hours=24)
+#: Rank 0's command path: a follower waits here while rank 0 collects a step, which may
+#: take hours (the CPU group only; tensor collectives have `collective_timeout_s`).
+CONTROL_TIMEOUT = timedelta(hours=24)
+#: The default for tensor collectives (the job's `collective_timeout_min`).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60.0
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,8 @@ class Dist:
     #: torch.distributed (`bench/gpu_check.py` exercises FSDP2 and NCCL on one GPU);
     #: otherwise one process never shards
     single_rank_group: bool = False
+    #: the CPU (gloo) group of every control message; None only when not `active`
+    control: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -79,26 +95,27 @@ class Dist:
         return self.world_size > 1 or self.single_rank_group
 
     def broadcast(self, obj: T | None) -> T:
-        """Rank 0's `obj` on every rank (others pass None)."""
+        """Rank 0's `obj` on every rank (others pass None), over the CPU group."""
         if not self.active:
             return obj  # type: ignore[return-value]
         box = [obj]
-        torch_dist.broadcast_object_list(box, src=0)
+        torch_dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]  # type: ignore[return-value]
 
-    def sum_floats(self, values: list[float], device: torch.device) -> list[float]:
+    def sum_floats(self, values: list[float]) -> list[float]:
+        """The sums over the ranks (the CPU group: the values are host floats already)."""
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        t = torch.tensor(values, dtype=torch.float64)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM, group=self.control)
         return [float(v) for v in t.tolist()]
 
-    def max_int(self, value: int, device: torch.device) -> int:
-        """The largest `value` over the ranks."""
+    def max_int(self, value: int) -> int:
+        """The largest `value` over the ranks (the CPU group)."""
         if not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        t = torch.tensor([value], dtype=torch.int64)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self.control)
         return int(t.item())
 
     def shard(self, root: nn.Module, units: list[nn.Module], *,
@@ -141,13 +158,14 @@ class Dist:
 
     def barrier(self) -> None:
         if self.active:
-            torch_dist.barrier()
+            torch_dist.barrier(group=self.control)
 
     def gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, over the CPU group."""
         if not self.active:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        torch_dist.all_gather_object(out, obj)
+        torch_dist.all_gather_object(out, obj, group=self.control)
         return out
 
     def close(self) -> None:
@@ -318,9 +336,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
-def init_distributed(*, on_gpu: bool, single_rank_group: bool = False) -> Dist:
+def init_distributed(*, on_gpu: bool, single_rank_group: bool = False,
+                     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Dist:
     """Join the process group `torchrun` set up, or return the single-process `Dist`.
 
+    The default group (NCCL on GPUs, gloo on CPU) waits `collective_timeout_s` in a
+    tensor collective; the control group (gloo) made next to it waits `CONTROL_TIMEOUT`.
     `single_rank_group` makes a one-process group of one rank instead (on a free local
     port unless MASTER_ADDR/MASTER_PORT are set), so that FSDP2 shards over it.
     """
@@ -334,12 +355,29 @@ def init_distributed(*, on_gpu: bool, single_rank_group: bool = False) -> Dist:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
+        # A failed or timed-out NCCL collective tears the process down without aborting
+        # the communicators first (an abort can itself hang on a broken peer).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         torch.cuda.set_device(local_rank)
-    torch_dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
-    log.info("rank %d of %d joined (%s, local rank %d)", rank, world_size, backend, local_rank)
+    torch_dist.init_process_group(backend=backend,
+                                  timeout=timedelta(seconds=collective_timeout_s))
+    # The CPU group of every control message (see the module docstring). new_group is
+    # collective: every rank makes it, right after the default group.
+    control = torch_dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    log.info("rank %d of %d joined (%s for tensors, %s timeout; gloo for control, "
+             "local rank %d)", rank, world_size, backend,
+             timedelta(seconds=collective_timeout_s), local_rank)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
                 device_type="cuda" if on_gpu else "cpu",
-                single_rank_group=world_size <= 1)
+                single_rank_group=world_size <= 1, control=control)
+
+
+def group_store() -> Any:
+    """The default process group's key-value store (torchrun's agent hosts it).
+
+    torch exposes no public getter; `_get_default_store` has been there since torch 1.x.
+    """
+    return torch_dist.distributed_c10d._get_default_store()
 
 
 def _free_port() -> int:
