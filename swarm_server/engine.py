@@ -14,7 +14,7 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
   the engine runs the active snapshot's code (every rank's content id, not its path).
   Any exit ends in OFFLINE with the run finalised; an exit nobody asked for also sets
   `last_error` with the log tail, and the engine's own `failure.json` (which rank
-  failed, with which exception) in its reason.
+  failed, with which exception) in its reason and its traceback ahead of the tail.
 - Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
 - A single-process start takes the warm standby when one is ready: an interpreter with
   torch and transformers imported that becomes the engine (`standby_keeper`); the
@@ -633,7 +633,12 @@ class EngineController:
                 failed, reason = False, "the engine exited by itself (code 0)"
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
-                                        f"{final_state}{_engine_failure(run.run_dir)}")
+                                        f"{final_state}")
+                failure = _engine_failure(run.run_dir)
+                if failure is not None:  # its own word on which rank failed, and how
+                    reason += f": {failure.describe()}"
+                    tail = [f"[rank {failure.rank}] {line}" for line in failure.traceback
+                            ] + ["..."] + tail
             if failed:
                 self._last_error = LastError(run_id=run.run_id, exit_code=exit_code,
                                              reason=reason, log_tail=tail, at=time.time())
@@ -705,18 +710,17 @@ def _describe_exit(code: int | None) -> str:
 
 
 
-def _engine_failure(run_dir: Path) -> str:
-    """': rank 1 of 2 failed: ValueError: ...' from the engine's own record, else ''."""
+def _engine_failure(run_dir: Path) -> EngineFailure | None:
+    """The engine's record of its first failure (`<run_dir>/failure.json`), if any."""
     path = run_dir / ENGINE_FAILURE_FILE
     try:
         with open(path, "rb") as f:
-            data = f.read(_FAILURE_FILE_BYTES)
-        return ": " + EngineFailure.model_validate_json(data).describe()
+            return EngineFailure.model_validate_json(f.read(_FAILURE_FILE_BYTES))
     except FileNotFoundError:
-        return ""
+        return None
     except (OSError, ValueError) as exc:  # a torn or foreign file: the exit code stands alone
         log.warning("could not read %s: %s", path, exc)
-        return ""
+        return None
 
 
 def _installed_ajet_dir() -> Path:

@@ -17,7 +17,7 @@ import pytest
 
 import ajet
 from ajet.copilot.job import AgentJetJob
-from ajet.protocol import SERVER_CODE, EngineReport, EngineState
+from ajet.protocol import ENGINE_FAILURE_FILE, SERVER_CODE, EngineFailure, EngineReport, EngineState
 from swarm_server.engine import LAST_CONFIG_KEY, EngineController
 from swarm_server.errors import EngineStateError, Unprocessable
 from swarm_server.ledger import Ledger, RunRecord, SnapshotRecord
@@ -223,6 +223,24 @@ def test_crash_at_boot_goes_offline_with_exit_code_and_log_tail(h: Harness) -> N
     assert len(err.log_tail) == 50 and err.log_tail[-1] == "RuntimeError: no model"
     rec = h.ledger.get_run(run_id)
     assert rec is not None and (rec.status, rec.exit_code) == ("failed", 1)
+
+
+def test_the_engines_own_failure_record_names_the_rank_and_leads_the_log_tail(
+        h: Harness) -> None:
+    h.configure()
+    run_id, proc = h.start_rolling()
+    failure = EngineFailure(rank=1, world_size=2, error="RuntimeError: loss exploded",
+                            traceback=["Traceback (most recent call last):",
+                                       "RuntimeError: loss exploded"])
+    (h.settings.runs_dir / run_id / ENGINE_FAILURE_FILE).write_text(failure.model_dump_json())
+    proc.exit(1, log_lines=["torchrun: ChildFailedError"])
+    wait_until(lambda: h.ctl.state is S.OFFLINE)
+    err = h.ctl.status().last_error
+    assert err is not None and err.reason.startswith("the engine exited with code 1 while")
+    assert err.reason.endswith(": rank 1 of 2 failed: RuntimeError: loss exploded")
+    assert err.log_tail[:2] == ["[rank 1] Traceback (most recent call last):",
+                                "[rank 1] RuntimeError: loss exploded"]
+    assert err.log_tail[-1] == "torchrun: ChildFailedError"
 
 
 def test_killed_while_rolling_goes_offline_with_last_error(h: Harness) -> None:
