@@ -86,7 +86,8 @@ def main(out: Path) -> None:
         dist.broadcast(("stop", None))
     else:
         learner = RecordingLearner()
-        found["steps"] = follow(learner, dist, run_dir=out.parent, run_id="probe")  # type: ignore[arg-type]
+        found["steps"] = follow(learner, dist,  # type: ignore[arg-type]
+                                run_dir=out.parent, run_id="probe")
         found["batches"] = [[list(s.response_ids) for s in b] for b in learner.batches]
     out.write_text(json.dumps(found))
 
