@@ -190,14 +190,11 @@ class Publication:
     bytes: int = 0
     #: parameters published
     tensors: int = 0
-    #: all-gathers issued (0 when nothing was sharded)
-    collectives: int = 0
 
 
 def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
                         dtype: Callable[[str, torch.Tensor], torch.dtype] | torch.dtype | None
                         = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES,
-                        counts: list[int] | None = None,
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Each `(name, full tensor)` of `named`, gathered whole if it is an FSDP2 shard.
 
@@ -210,10 +207,9 @@ def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
 
     Dim-0 shards (FSDP2's `Shard(0)` on a 1-D mesh, torch.chunk's split) are packed into
     one buffer per bucket of about `bucket_bytes` full bytes, each rank's chunk padded to
-    the longest one, and gathered with one `all_gather_into_tensor`; anything else
+    the longest one, and gathered with one flat all-gather; anything else
     (another placement, a plain tensor) is taken one tensor at a time. A yielded tensor
     may be a view of the bucket's buffer: use or copy it before asking for the next one.
-    With `counts` (a list of one int) the number of all-gathers is added to `counts[0]`.
     """
     def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
         if dtype is None:
@@ -226,11 +222,9 @@ def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
     for name, tensor in named:
         want = dtype_of(name, tensor)
         if not _dim0_sharded(tensor):
-            yield from _gather_bucket(bucket, bucket_key, counts)
+            yield from _gather_bucket(bucket, bucket_key)
             bucket, bucket_key, filled = [], None, 0
             if isinstance(tensor, DTensor):  # another layout: its own gather, cast first
-                if counts is not None:
-                    counts[0] += 1
                 yield name, tensor.detach().to(want).full_tensor()
             else:
                 yield name, tensor.detach().to(want)
@@ -239,12 +233,12 @@ def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
         key = (tensor.device_mesh.get_group(), want)
         size = tensor.numel() * want.itemsize
         if bucket and (key != bucket_key or filled + size > bucket_bytes):
-            yield from _gather_bucket(bucket, bucket_key, counts)
+            yield from _gather_bucket(bucket, bucket_key)
             bucket, filled = [], 0
         bucket.append((name, tensor))
         bucket_key = key
         filled += size
-    yield from _gather_bucket(bucket, bucket_key, counts)
+    yield from _gather_bucket(bucket, bucket_key)
 
 
 def _dim0_sharded(tensor: torch.Tensor) -> bool:
@@ -252,8 +246,8 @@ def _dim0_sharded(tensor: torch.Tensor) -> bool:
             and tuple(tensor.placements) == (Shard(0),) and tensor.dim() > 0)
 
 
-def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtype] | None,
-                   counts: list[int] | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtype] | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather for a bucket of dim-0 shards; their full tensors, in order."""
     if not bucket or key is None:
         return
@@ -275,9 +269,9 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtyp
         local = param.to_local().detach()
         send[start:start + local.numel()].copy_(local.reshape(-1))  # the cast happens here
     received = torch.empty(world * offset, dtype=want, device=local0.device)  # (N * S,)
-    torch_dist.all_gather_into_tensor(received, send, group=group)
-    if counts is not None:
-        counts[0] += 1
+    # torch 2.13 renamed all_gather_into_tensor (the old name warns); older ones lack it
+    gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+    gather(received, send, group=group)
     del send
     by_rank = received.view(world, offset)  # (N, S)
     for (name, param), (start, chunk, row_numel) in zip(bucket, slots, strict=True):
@@ -315,17 +309,14 @@ def copy_full_weights(source: nn.Module, target: nn.Module | None, *,
 
     named = [(n, p) for n, p in source.named_parameters()
              if not (trainable_only and not p.requires_grad)]
-    counts = [0]
     total = tensors = 0
     with torch.no_grad():
-        for name, full in gather_full_weights(named, dtype=dtype_of, bucket_bytes=bucket_bytes,
-                                              counts=counts):
+        for name, full in gather_full_weights(named, dtype=dtype_of, bucket_bytes=bucket_bytes):
             total += full.numel() * full.element_size()
             tensors += 1
             if target is not None:
                 targets[name].copy_(full)
-    return Publication(seconds=time.perf_counter() - start, bytes=total, tensors=tensors,
-                       collectives=counts[0])
+    return Publication(seconds=time.perf_counter() - start, bytes=total, tensors=tensors)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:

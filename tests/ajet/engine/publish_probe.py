@@ -46,13 +46,16 @@ def main(out: Path) -> None:
     expected = {n: p.detach().clone().to(torch.bfloat16) for n, p in source.named_parameters()}
     fully_shard(source, mesh=init_device_mesh("cpu", (dist.world_size,)))
     calls: list[dict[str, Any]] = []
-    real = torch_dist.all_gather_into_tensor
 
-    def recording(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
-        calls.append({"dtype": str(tensor.dtype), "numel": tensor.numel()})
-        return real(output, tensor, **kwargs)
+    def recording(real: Any) -> Any:
+        def gather(output: torch.Tensor, tensor: torch.Tensor, **kwargs: Any) -> Any:
+            calls.append({"dtype": str(tensor.dtype), "numel": tensor.numel()})
+            return real(output, tensor, **kwargs)
+        return gather
 
-    distributed.torch_dist.all_gather_into_tensor = recording  # type: ignore[attr-defined]
+    for name in ("all_gather_single", "all_gather_into_tensor"):  # whichever torch has
+        if hasattr(torch_dist, name):
+            setattr(distributed.torch_dist, name, recording(getattr(torch_dist, name)))
     results: dict[str, Any] = {}
     for label, bucket in (("alone", 1), ("pairs", 40), ("one", 1 << 30)):
         calls.clear()
@@ -60,7 +63,7 @@ def main(out: Path) -> None:
         published = copy_full_weights(source, target, bucket_bytes=bucket)
         equal = {n: torch.equal(p.detach(), expected[n]) for n, p in target.named_parameters()}
         results[label] = {"equal": equal, "calls": list(calls), "bytes": published.bytes,
-                          "tensors": published.tensors, "collectives": published.collectives}
+                          "tensors": published.tensors}
     calls.clear()
     target = Awkward().to(torch.bfloat16)
     only = copy_full_weights(source, target, trainable_only=True)
