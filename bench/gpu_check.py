@@ -195,6 +195,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--ranks: rollout -> update cycles (one more rollout ends them)")
     p.add_argument("--ranks-timeout", type=float, default=420.0,
                    help="--ranks: seconds for the whole torchrun, start to end")
+    p.add_argument("--grace", type=float, default=10.0,
+                   help="--ranks: seconds another rank's requests may take beyond rank "
+                        "0's own before they count as stalled")
     p.add_argument("--steps", type=int, default=3, help="training updates per phase")
     p.add_argument("--groups", type=int, default=4, help="task groups per update")
     p.add_argument("--group-size", type=int, default=4, help="samples per task group")
@@ -577,7 +580,8 @@ def _first_trainable(learner: Any) -> str:
 def run_ranks(args: argparse.Namespace, workdir: Path, model_dir: Path) -> int:
     """Launch `gpu_check_ranks.py` on `args.ranks` ranks; its exit status is the check's."""
     forward = ["--device", args.device, "--dtype", args.dtype, "--shape", args.shape,
-               "--cycles", str(args.cycles), "--groups", str(args.groups),
+               "--cycles", str(args.cycles), "--grace", str(args.grace),
+               "--groups", str(args.groups),
                "--group-size", str(args.group_size),
                "--prompt-tokens", str(args.prompt_tokens),
                "--response-tokens", str(args.response_tokens),

@@ -12,7 +12,7 @@ its own generator, as the engine does. Rank 0 then leads `--cycles` rounds of
               thread goes straight back to waiting for rank 0's next command, so its
               generation runs while it waits, as an engine follower's does during a
               rollout (its episodes come from rank 0's router there)
-    report    rank 0, its own requests done and a grace period later, asks every rank
+    report    rank 0, its own requests done and `--grace` seconds later, asks every rank
               how many of its requests had finished: a rank short of its count stalled
               behind the wait, and the check fails naming it
     update    rank 0 broadcasts a batch built from its rollout; every rank trains its
@@ -43,10 +43,6 @@ from bench.gpu_check import (  # noqa: E402  (after the checkout is on sys.path)
     require_finite,
     say,
 )
-
-#: Seconds a follower's requests may take beyond rank 0's own rollout time before the
-#: report; on the same GPU model the same requests take about as long on every rank.
-GRACE_S = 10.0
 
 
 class RankRollout:
@@ -142,7 +138,8 @@ def lead(dist: Any, learner: Any, generator: Any, args: Any, vocab: int,
         if not mine.wait(240.0):
             raise GPUCheckFailed(f"{label}: rank 0's own requests did not finish in 240 s")
         own = time.perf_counter() - mine.started
-        time.sleep(min(GRACE_S + own, 120.0))
+        # on the same GPU model the same requests take about as long on every rank
+        time.sleep(min(args.grace + own, 120.0))
         dist.broadcast(("report", cycle))
         rows = dist.gather(mine.report())  # each rank's count when the command came
         say(f"  {label}: " + ", ".join(
@@ -152,7 +149,8 @@ def lead(dist: Any, learner: Any, generator: Any, args: Any, vocab: int,
         if stalled:
             raise GPUCheckFailed(
                 f"{label}: requests stalled on {', '.join(stalled)} while waiting for rank "
-                f"0's next command, {own + GRACE_S:.0f} s after rank 0's own were done")
+                f"0's next command, {args.grace:.0f} s after rank 0's own were done "
+                f"(--grace)")
         if cycle == args.cycles:
             break
         # the update: a GRPO batch from rank 0's rollout, whole groups of --group-size

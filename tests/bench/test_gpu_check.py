@@ -77,7 +77,7 @@ def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> 
 
 @pytest.mark.slow
 def test_two_gloo_ranks_generate_on_every_rank_around_each_update() -> None:
-    result = _run(*SMOKE, "--ranks", "2", "--cycles", "1", "--requests", "4")
+    result = _run(*SMOKE, "--ranks", "2", "--cycles", "1", "--requests", "4", "--grace", "3")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
     assert "ranks: 2 under torchrun (gloo for tensors, gloo for control)" in out
@@ -85,6 +85,23 @@ def test_two_gloo_ranks_generate_on_every_rank_around_each_update() -> None:
         line = next(x for x in out.splitlines() if label in x)
         assert "rank 0 4/4" in line and "rank 1 4/4" in line, line
     assert "update 1:" in out and "over 2 ranks" in out and "gpu_check: OK" in out
+
+
+@pytest.mark.slow
+def test_a_rank_whose_generation_is_held_back_during_the_wait_fails_the_check(
+        tmp_path: Path) -> None:
+    module = runpy.run_path(str(SCRIPT))
+    model = tmp_path / "small-random"
+    module["build_checkpoint"](model, "small", device="cpu")
+    probe = Path(__file__).with_name("stall_probe.py")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         "--max_restarts=0", str(probe), *SMOKE, "--cycles", "1", "--requests", "4",
+         "--grace", "2", "--workdir", str(tmp_path), "--model-dir", str(model)],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=env, check=False)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "requests stalled on rank 1 (0 of 4 done)" in result.stdout, result.stdout
 
 
 def test_nvidia_smi_listing_gpus_torch_cannot_use_fails_the_check(tmp_path: Path) -> None:
