@@ -465,13 +465,14 @@ def one_process_phase(args: argparse.Namespace, model_dir: Path, workdir: Path, 
     master = learner.model.params[0]
     autocast = learner.model.scorer.autocast_dtype
     if on_gpu and (master.dtype != torch.float32 or autocast != torch.bfloat16
-                   or learner.model.lm is policy.model):
+                   or learner.model.hf_model is policy.model):
         raise GPUCheckFailed(f"one GPU process trains {master.dtype} under autocast "
                              f"{autocast}, expected an fp32 copy under bf16 autocast")
     if not learner.model.lora or ".lora_" not in _first_trainable(learner):
         raise GPUCheckFailed("LoRA is not what trains")
-    how = ("an fp32 copy under bf16 autocast, published to a bf16 inference copy" if on_gpu
-           else f"{cfg.dtype}, training the generation model itself")
+    shared = learner.model.hf_model is policy.model
+    how = (f"{cfg.dtype}, training the generation model itself" if shared else
+           f"an fp32 copy under {cfg.dtype} autocast, published to a {cfg.dtype} inference copy")
     say(f"phase 1, one process: {how}; LoRA rank {LORA_RANK} "
         f"({sum(p.numel() for p in learner.model.params) / 1e6:.2f}M trainable), KL "
         f"{KL_COEF} to the adapters-off model, {args.steps} update(s)")

@@ -60,11 +60,13 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
 
 
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
-    result = _run(*SMOKE, "--steps", "2", "--requests", "8")
+    # in bf16, as on a GPU: an fp32 copy under autocast, the publication cast to bf16
+    result = _run(*SMOKE, "--dtype", "bfloat16", "--steps", "2", "--requests", "8")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "phase 1, one process" in out and "LoRA rank 16" in out
-    assert "FSDP2 over a 1-rank gloo group (control on gloo)" in out
+    assert "phase 1, one process: an fp32 copy under bfloat16 autocast" in out
+    assert "LoRA rank 16" in out
+    assert "FSDP2 over a 1-rank gloo group (control on gloo): float32 masters + bfloat16" in out
     assert "activation checkpointing on" in out and "a frozen KL reference" in out
     # rollout -> update -> rollout in both phases, and a checkpoint that loads back
     assert out.count("rollout on the new weights") == 2
