@@ -102,16 +102,19 @@ class Dist:
         torch_dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]  # type: ignore[return-value]
 
-    def sum_floats(self, values: list[float]) -> list[float]:
-        """The sums over the ranks (the CPU group: the values are host floats already)."""
+    def sum_floats(self, values: list[float], device: object = None) -> list[float]:
+        """The sums over the ranks (the CPU group: the values are host floats already).
+
+        `device` is not used: callers once put these tensors on the model's device.
+        """
         if not self.active:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64)
         torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM, group=self.control)
         return [float(v) for v in t.tolist()]
 
-    def max_int(self, value: int) -> int:
-        """The largest `value` over the ranks (the CPU group)."""
+    def max_int(self, value: int, device: object = None) -> int:
+        """The largest `value` over the ranks (the CPU group; `device` is not used)."""
         if not self.active:
             return value
         t = torch.tensor([value], dtype=torch.int64)
