@@ -70,6 +70,34 @@ def test_with_nccl_configured_every_control_message_goes_over_the_cpu_group(
     assert one["steps"] == 2 and one["batches"] == [[[3], [5, 6]], [[3]]]
 
 
+#: torch.distributed calls that carry control messages (objects and scalars): each must
+#: name its group, and in the engine that group is the CPU one (`Dist.control`).
+_CONTROL_CALLS = {"broadcast_object_list", "all_gather_object", "gather_object",
+                  "scatter_object_list", "send_object_list", "recv_object_list",
+                  "all_reduce", "broadcast", "barrier", "monitored_barrier"}
+
+
+def test_no_control_collective_in_the_engine_runs_on_the_default_group() -> None:
+    """Every object or scalar collective the engine issues names the control group."""
+    import ast
+
+    found = []
+    for path in sorted((PROJECT_ROOT / "ajet").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in _CONTROL_CALLS):
+                continue
+            owner = ast.unparse(node.func.value)
+            if owner not in ("torch_dist", "torch.distributed", "dist_c10d"):
+                continue
+            group = next((k.value for k in node.keywords if k.arg == "group"), None)
+            found.append((path.relative_to(PROJECT_ROOT).as_posix(), node.func.attr,
+                          ast.unparse(group) if group is not None else None))
+    assert found, "no collective found: the scan is looking in the wrong place"
+    assert {(f, call) for f, call, group in found if group != "self.control"} == set(), found
+
+
 def _episodes(client: SwarmClient, n: int) -> None:
     """n sequential episodes of one task (one worker)."""
     import openai
