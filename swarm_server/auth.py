@@ -31,7 +31,7 @@ from swarm_server.settings import Settings
 
 __all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "ReaderRequirement",
            "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
-           "bearer_token", "require_approver", "require_control", "require_reader",
+           "bearer_token", "episode_key", "require_approver", "require_control", "require_reader",
            "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
@@ -48,6 +48,13 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def episode_key(headers: Headers) -> str | None:
+    """The episode key of a `/v1/*` request: `Authorization: Bearer` (OpenAI clients, the
+    Anthropic SDK's `auth_token`), else `x-api-key` (the Anthropic SDK's `api_key`,
+    `ANTHROPIC_API_KEY` harnesses)."""
+    return bearer_token(headers.get("authorization")) or headers.get("x-api-key") or None
 
 
 def _matches(given: str, expected: str) -> bool:
