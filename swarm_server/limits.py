@@ -11,7 +11,8 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
    session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
    `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
-   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`), everywhere else a token `auth.authenticate` accepts
+   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`), at
+   `INDEX_PATH` (`/`) that or a reader token, everywhere else a token `auth.authenticate` accepts
    (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
    caller gets nothing parsed, buffered or routed.
 
@@ -56,7 +57,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import ControlRequirement, Requirement, authenticate, episode_key
+from swarm_server.auth import (
+    ControlRequirement,
+    IndexRequirement,
+    Requirement,
+    authenticate,
+    episode_key,
+)
 from swarm_server.errors import (
     ApiError,
     BadRequest,
@@ -78,6 +85,8 @@ __all__ = ["CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", 
 OPEN_PATHS = frozenset({"/health"})
 #: The OpenAI-compatible episode plane: a signed episode key, never a bearer token.
 EPISODE_PREFIX = "/v1/"
+#: The server's index: a reader token or an episode key (`auth.IndexRequirement`).
+INDEX_PATH = "/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
 
@@ -213,6 +222,8 @@ class LimitsMiddleware:
         try:
             if path.startswith(EPISODE_PREFIX):
                 self.ctx.episodes.check_key(episode_key(headers))
+            elif path == INDEX_PATH:
+                IndexRequirement().check(scope["app"].state, headers)
             else:
                 authenticate(self.settings, headers)
         except ApiError as exc:

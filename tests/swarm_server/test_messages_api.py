@@ -46,6 +46,8 @@ MAX_JSON_BYTES = 200_000
 #: a longer-context ajet-tiny (same tokenizer and template): 128k positions, so that a
 #: Claude Code prompt (~77k tokens at one character per token) fits its context
 LONG_CONTEXT = TinySpec(max_position_embeddings=131_072)
+WORKER_TOKEN = "worker-token-for-messages"
+WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 
 @dataclass
@@ -74,7 +76,7 @@ class Plane:
     max_positions: int
 
     def begin(self) -> BeginEpisodeResponse:
-        r = self.http.post("/begin_episode", json={})
+        r = self.http.post("/begin_episode", json={}, headers=WORKER)
         assert r.status_code == 200, r.text
         return BeginEpisodeResponse.model_validate(r.json())
 
@@ -106,7 +108,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     plane.set_policy(SimpleNamespace(tokenizer=tokenizer), generator)  # type: ignore[arg-type]
     channel = ChannelServer(create_channel_app(plane), root / "engine.sock")
     channel.start()
-    app = create_app(Settings(workdir=root / "swarm", max_json_bytes=MAX_JSON_BYTES))
+    app = create_app(Settings(workdir=root / "swarm", max_json_bytes=MAX_JSON_BYTES,
+                              token="control-token-for-messages",
+                              worker_token=WORKER_TOKEN))
     app.state.ctx.episodes.engine = StandInEngine(root / "engine.sock")
     try:
         with TestClient(app) as http:
@@ -225,8 +229,8 @@ def test_an_episode_that_ended_refuses_its_key(srv: Plane) -> None:
     srv.generator.replies.append("done")
     client = srv.sdk(episode)
     client.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}])
-    r = srv.http.post("/end_episode", json={"episode_uuid": episode.episode_uuid,
-                                            "task_id": "t", "reward": 1.0})
+    r = srv.http.post("/end_episode", headers=WORKER,
+                      json={"episode_uuid": episode.episode_uuid, "task_id": "t", "reward": 1.0})
     assert r.status_code == 200, r.text
     with pytest.raises(anthropic.AuthenticationError) as ended:
         client.messages.create(model="m", max_tokens=8,
@@ -294,5 +298,14 @@ def test_ajet_tiny_context_does_not_hold_a_claude_code_prompt(srv: Plane,
 
 
 def test_messages_routes_are_in_the_schema(srv: Plane) -> None:
-    paths = srv.http.get("/openapi.json").json()["paths"]
+    paths = srv.http.get("/openapi.json", headers=WORKER).json()["paths"]
     assert {"/v1/messages", "/v1/messages/count_tokens"} <= set(paths)
+
+
+def test_the_root_answers_an_episode_key_as_claude_code_probes_it(srv: Plane) -> None:
+    episode = srv.begin()
+    probe = srv.http.get("/", headers=claude_code_headers(episode.openai_api_key))
+    assert probe.status_code == 200 and "/v1/messages" in probe.json()["episode_plane"]["routes"]
+    assert srv.http.get("/", headers=WORKER).status_code == 200
+    for refused in ({"x-api-key": "ajep_forged.key"}, {}):
+        assert srv.http.get("/", headers=refused).status_code == 401
