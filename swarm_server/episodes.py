@@ -208,6 +208,12 @@ class EpisodeGateway:
         detail, _, _ = _error_parts(content)
         if reply.status == 404 and path.startswith("/v1/models/"):
             raise self._relay(reply, content)  # an unknown model name
+        if reply.status == 404 and detail == "Not Found":
+            # the engine runs code that has no such route (an older snapshot); the
+            # episode itself is fine
+            raise NotFound(f"the engine's code does not serve {path} (its snapshot predates "
+                           "it)", "sync the current ajet/ and restart the engine, or use "
+                           "another API of the episode plane")
         if reply.status in (404, 409):  # the episode closed in the engine
             entry.ended = True
             raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",

@@ -29,7 +29,7 @@ from ajet.engine.plane.episode_plane import EpisodePlane
 from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.tiny import TinySpec, ensure_tiny_model
 from ajet.engine.transport.unix_server import ChannelServer
-from ajet.protocol import BeginEpisodeResponse, EngineState
+from ajet.protocol import BeginEpisodeRequest, BeginEpisodeResponse, EngineState
 from swarm_server.main import create_app
 from swarm_server.settings import Settings
 from tests.ajet.engine.engine_support import ScriptedGenerator
@@ -309,3 +309,23 @@ def test_the_root_answers_an_episode_key_as_claude_code_probes_it(srv: Plane) ->
     assert srv.http.get("/", headers=WORKER).status_code == 200
     for refused in ({"x-api-key": "ajep_forged.key"}, {}):
         assert srv.http.get("/", headers=refused).status_code == 401
+
+
+def test_an_engine_without_the_route_is_a_404_and_the_episode_lives_on(tmp_path: Path) -> None:
+    """An engine running code from before the Messages API (its routes 404): the episode
+    is not taken for closed."""
+    import asyncio
+
+    from swarm_server.errors import NotFound
+    from tests.swarm_server.test_gateway_table import gateway_on
+
+    async def scenario() -> None:
+        async with gateway_on(tmp_path) as (gateway, _):
+            episode = await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
+            with pytest.raises(NotFound) as missing:
+                await gateway.openai(episode.openai_api_key, method="POST",
+                                     path="/v1/messages", body=b"{}")
+            assert "predates" in str(missing.value.detail)
+            assert gateway.check_key(episode.openai_api_key) == episode.episode_uuid
+
+    asyncio.run(scenario())
