@@ -183,8 +183,10 @@ def test_sdk_tools_with_a_tool_result_follow_up(srv: Plane) -> None:
                                       "content": "sunny, 24 C"}]}])
     assert answer.content[0].text == "It is sunny in Paris."
     first, second = srv.completions(episode)
-    # the second prompt holds the first reply's tokens: the episode is one conversation
-    assert second.prompt_ids[:len(first.prompt_ids)] == first.prompt_ids
+    # the second prompt extends the first prompt and the tokens sampled for it (the tool
+    # call, end of turn included): what merges an episode's calls into one timeline
+    head = (*first.prompt_ids, *first.response_ids)
+    assert second.prompt_ids[:len(head)] == head
     counted = client.messages.count_tokens(model="m", tools=[WEATHER], messages=[question])
     assert counted.input_tokens == len(first.prompt_ids)
 
