@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid as uuidlib
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
