@@ -174,10 +174,15 @@ def _count(plane: EpisodePlane, fmt: ChatFormat, body: CountTokensRequest) -> in
         return len(fmt.render(request.messages or [], tools=offered,
                               template_kwargs=kwargs).ids)
     except FormatError as exc:
-        raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
+        raise _refused(str(exc), exc.hint, param=exc.param) from exc
 
 
 # ---------------------------------------------------------------------------- the request
+
+
+def _refused(detail: str, hint: str, *, param: str | None) -> BadRequest:
+    """400 naming the field at fault (`param`), with what to send instead."""
+    return BadRequest(detail, hint, param=param)
 
 
 def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type: str
@@ -190,7 +195,7 @@ def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type
     ignored: tuple[str, ...] = ()
     if body.top_k is not None:
         if episode_type == EVAL_EPISODE:
-            raise BadRequest(f"top_k={body.top_k} cannot be applied: the engine samples with "
+            raise _refused(f"top_k={body.top_k} cannot be applied: the engine samples with "
                              "temperature and top_p only", "drop top_k, or use top_p",
                              param="top_k")
         ignored = ("top_k",)  # training episodes sample with the run's settings anyway
@@ -211,7 +216,7 @@ def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type
 def _stop_sequences(stop: list[str] | None) -> tuple[str, ...]:
     out = tuple(stop or ())
     if any(not s for s in out) or len(out) > 8:
-        raise BadRequest("stop_sequences must be up to 8 non-empty strings",
+        raise _refused("stop_sequences must be up to 8 non-empty strings",
                          "fix the stop_sequences field", param="stop_sequences")
     return out
 
@@ -222,17 +227,17 @@ def anthropic_tools_to_chat(tools: list[dict[str, Any]]) -> list[dict[str, Any]]
     for index, tool in enumerate(tools):
         kind = tool.get("type")
         if kind not in (None, "custom"):
-            raise BadRequest(f"tools[{index}] is a server tool of type {kind!r}, which is not "
+            raise _refused(f"tools[{index}] is a server tool of type {kind!r}, which is not "
                              "served on the episode plane", "give the agent a client tool "
                              "(name, description, input_schema) instead",
                              param=f"tools[{index}].type")
         name = tool.get("name")
         if not isinstance(name, str) or not name:
-            raise BadRequest(f"tools[{index}] has no name", "name every tool",
+            raise _refused(f"tools[{index}] has no name", "name every tool",
                              param=f"tools[{index}].name")
         schema = tool.get("input_schema")
         if not isinstance(schema, dict):
-            raise BadRequest(f"tools[{index}] ({name}) has no input_schema object",
+            raise _refused(f"tools[{index}] ({name}) has no input_schema object",
                              "send input_schema as a JSON schema object",
                              param=f"tools[{index}].input_schema")
         # the order OpenAI clients send (templates render the dict as it comes)
@@ -254,7 +259,7 @@ def resolve_anthropic_tool_choice(choice: dict[str, Any] | None, tool_names: lis
     if kind == "none" or not tool_names and kind == "auto":
         return ToolChoice("none"), parallel
     if not tool_names:
-        raise BadRequest(f"tool_choice {kind!r} but no tools were sent",
+        raise _refused(f"tool_choice {kind!r} but no tools were sent",
                          "send tools, or drop tool_choice", param="tool_choice")
     if kind == "auto":
         return ToolChoice("auto"), parallel
@@ -263,10 +268,10 @@ def resolve_anthropic_tool_choice(choice: dict[str, Any] | None, tool_names: lis
     if kind == "tool":
         name = choice.get("name")
         if name not in tool_names:
-            raise BadRequest(f"tool_choice names {name!r}, which is not among the tools sent",
+            raise _refused(f"tool_choice names {name!r}, which is not among the tools sent",
                              "name one of the tools", param="tool_choice.name")
         return ToolChoice("function", name), parallel
-    raise BadRequest(f"tool_choice type {kind!r} is not one of auto, any, tool, none",
+    raise _refused(f"tool_choice type {kind!r} is not one of auto, any, tool, none",
                      "send {'type': 'auto'}, {'type': 'any'}, {'type': 'tool', 'name': ...} "
                      "or {'type': 'none'}", param="tool_choice.type")
 
@@ -292,10 +297,10 @@ def anthropic_messages_to_chat(system: str | list[dict[str, Any]] | None,
         elif role == "assistant":
             chat.append(_assistant_turn(message.get("content"), where))
         else:
-            raise BadRequest(f"{where} has role {role!r}", "use user or assistant (system "
+            raise _refused(f"{where} has role {role!r}", "use user or assistant (system "
                              "goes in the top-level system field)", param=f"{where}.role")
     if messages[-1].get("role") == "assistant":
-        raise BadRequest("the last message is an assistant turn (a prefill), which this "
+        raise _refused("the last message is an assistant turn (a prefill), which this "
                          "episode plane does not continue", "end the conversation with a "
                          "user message", param=f"messages[{len(messages) - 1}].role")
     return chat
@@ -309,7 +314,7 @@ def _system_text(system: str | list[dict[str, Any]] | None) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(
                 block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else None
-            raise BadRequest(f"system[{index}] is a block of type {kind!r}",
+            raise _refused(f"system[{index}] is a block of type {kind!r}",
                              "send system as text blocks", param=f"system[{index}].type")
         parts.append(block["text"])
     return "\n\n".join(parts)
@@ -319,16 +324,16 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list) or not all(isinstance(b, dict) for b in content):
-        raise BadRequest(f"{where}.content is neither text nor a list of blocks",
+        raise _refused(f"{where}.content is neither text nor a list of blocks",
                          "send a string or content blocks", param=f"{where}.content")
     return content
 
 
 def _refuse_block(kind: Any, param: str) -> BadRequest:
     if kind in ("image", "document", "search_result", "container_upload"):
-        return BadRequest(f"{param} is a content block of type {kind!r}", _TEXT_ONLY,
+        return _refused(f"{param} is a content block of type {kind!r}", _TEXT_ONLY,
                           param=f"{param}.type")
-    return BadRequest(f"{param} is a content block of type {kind!r}, which is not served "
+    return _refused(f"{param} is a content block of type {kind!r}, which is not served "
                       "here", "send text, tool_use (assistant) and tool_result (user) blocks",
                       param=f"{param}.type")
 
@@ -336,7 +341,7 @@ def _refuse_block(kind: Any, param: str) -> BadRequest:
 def _text_of(block: dict[str, Any], param: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise BadRequest(f"{param} is a text block without text", "send its text",
+        raise _refused(f"{param} is a text block without text", "send its text",
                          param=f"{param}.text")
     return text
 
@@ -380,7 +385,7 @@ def _tool_result_text(block: dict[str, Any], param: str) -> str:
             parts.append(_text_of(part, f"{param}.content[{k}]"))
         text = "\n\n".join(parts)
     else:
-        raise BadRequest(f"{param}.content is neither text nor text blocks",
+        raise _refused(f"{param}.content is neither text nor text blocks",
                          "send the tool's output as text", param=f"{param}.content")
     # the template has no error flag: the model reads it in the result itself
     return f"Error: {text}" if block.get("is_error") else text
@@ -397,7 +402,7 @@ def _assistant_turn(content: Any, where: str) -> dict[str, Any]:
         elif kind == "tool_use":
             name, tool_input = block.get("name"), block.get("input", {})
             if not isinstance(name, str) or not isinstance(tool_input, dict):
-                raise BadRequest(f"{param} needs a name and an input object",
+                raise _refused(f"{param} needs a name and an input object",
                                  "send tool_use blocks as the API returned them",
                                  param=param)
             calls.append({"id": block.get("id"), "type": "function",
