@@ -60,6 +60,7 @@ from ajet.protocol import (
     ReviewPage,
     RunPublic,
     RunsPage,
+    SamplesPage,
     ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
@@ -360,6 +361,14 @@ class SwarmClient(OriginalClientMixin):
         if max_points is not None:
             params["max_points"] = max_points
         return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
+
+    def get_samples(self, step: int, run_id: str = "current", *, offset: int = 0,
+                    limit: int = 20) -> SamplesPage:
+        """One page of a training step's samples (token ids, text, loss mask, log-probs,
+        the completions each merged); `next_offset` names the next page."""
+        return self._call("GET", f"/runs/{run_id}/samples",
+                          params={"step": step, "offset": offset, "limit": limit},
+                          model=SamplesPage)
 
     def get_run_logs(self, run_id: str = "current", *, tail: int = 100,
                      grep: str | None = None, regex: bool = False) -> LogsResponse:

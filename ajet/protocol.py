@@ -51,6 +51,8 @@ __all__ = [
     "RunPublic",
     "RunsPage",
     "SERVER_CODE",
+    "SamplePublic",
+    "SamplesPage",
     "SnapshotPublic",
     "SnapshotsPage",
     "StartEngineRequest",
@@ -526,6 +528,36 @@ class MetricsResponse(BaseModel):
     total_steps: int
     last_step: int | None = None
     downsampled: bool = False
+
+
+class SamplePublic(BaseModel):
+    """One training sample of a step: a timeline of one agent in one episode."""
+
+    episode_uuid: str
+    task_id: str | None = None
+    agent: str = ""
+    advantage: float
+    reward: float | None = None
+    #: indices (in the episode's completions, in the order served) of the calls merged
+    completions: list[int]
+    token_ids: list[int]
+    #: the tokens decoded (special tokens kept); None when the engine had no tokenizer
+    text: str | None = None
+    #: 1 on the sampled tokens trained here, 0 on prompt, tool and template tokens
+    loss_mask: list[int]
+    #: the sampling log-prob at each trained position, 0.0 elsewhere
+    logprobs: list[float]
+
+
+class SamplesPage(BaseModel):
+    run_id: str
+    step: int
+    samples: list[SamplePublic]
+    #: samples in the step
+    total: int
+    offset: int
+    #: where the next page starts; None when this page ends the step
+    next_offset: int | None = None
 
 
 class LogsResponse(BaseModel):

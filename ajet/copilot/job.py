@@ -70,7 +70,6 @@ NO_EFFECT: dict[str, str] = {
     "compute_madness_checklist": "no madness checks run; rewards are taken as sent",
     "val_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
     "train_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
-    "timeline_compare_level": "no context tracker: every completion is its own sample",
 }
 
 #: Nested keys listed one by one in the notes; the rest are counted.
@@ -273,7 +272,19 @@ class AgentJetJob(BaseModel):
     train_print_to_markdown_file_path: str | None = Field(
         default_factory=_d("train_print_to_markdown_file_path"), max_length=1000)
     timeline_compare_level: Literal["text", "token"] = Field(
-        default_factory=_d("timeline_compare_level"))
+        default_factory=_d("timeline_compare_level"),
+        description="How an episode's calls merge into one timeline: 'token' (the history "
+                    "between re-sent replies must match token for token) or 'text' (as "
+                    "messages; the later call's tokens are kept where they differ)")
+    timeline_merging: bool = Field(
+        default_factory=_d("timeline_merging"),
+        description="Merge calls that extend each other into one sample (false: one sample "
+                    "per completion)")
+    train_agents: list[str] = Field(
+        default_factory=_d("train_agents"), max_length=100,
+        validation_alias=AliasChoices("train_agents", "trainable_targets"),
+        description="Agent names to train: the `model` each request names. Empty: all. "
+                    "Calls under other names are served, never trained (side calls)")
     nested_extras: dict[str, Any] = Field(
         default_factory=_d("nested_extras"),
         description="Keys of the original's nested YAML with no meaning here, kept as given")

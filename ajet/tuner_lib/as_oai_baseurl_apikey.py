@@ -45,9 +45,16 @@ class OpenaiBaseUrlAndApiKey(BaseModel):
         # built by hand with base_url only: the root is base_url without its /v1
         return self.anthropic_base_url or self.base_url.rstrip("/").removesuffix("/v1")
 
-    def as_agentscope_model(self, *args: Any, **kwargs: Any) -> Any:
-        """An AgentScope `OpenAIChatModel` bound to this episode (needs `agentscope`)."""
+    def as_agentscope_model(self, *args: Any, agent_name: str | None = None,
+                            target_tag: str | None = None, **kwargs: Any) -> Any:
+        """An AgentScope `OpenAIChatModel` bound to this episode (needs `agentscope`).
+
+        As in the original, an agent may be tagged: its calls then name the model
+        `target_tag` (else `agent_name`), which is the agent name the engine trains by
+        (the job's `train_agents`, the original's `trainable_targets`) and never merges
+        across.
+        """
         from agentscope.model import OpenAIChatModel  # type: ignore[import-not-found]
 
-        return OpenAIChatModel(model_name="AgentJet-Model", api_key=self.api_key,
-                               client_args={"base_url": self.base_url})
+        return OpenAIChatModel(model_name=target_tag or agent_name or "AgentJet-Model",
+                               api_key=self.api_key, client_args={"base_url": self.base_url})

@@ -210,7 +210,7 @@ def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type
         messages=anthropic_messages_to_chat(body.system, body.messages), tools=tools,
         choice=choice, parallel=parallel, max_tokens=max_tokens,
         stop=_stop_sequences(body.stop_sequences), temperature=body.temperature,
-        top_p=body.top_p, ignored=ignored, notes=notes)
+        top_p=body.top_p, ignored=ignored, notes=notes, agent=body.model or "")
 
 
 def _stop_sequences(stop: list[str] | None) -> tuple[str, ...]:

@@ -50,6 +50,7 @@ from ajet.engine.plane.request_policy import (
 )
 from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.engine.trajectory import reply_message
 
 
 __all__ = [
@@ -96,6 +97,8 @@ class ChatTurn:
     ask: GenerationAsk
     model_name: str
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the agent that asked: the request's `model` name (timelines never mix agents)
+    agent: str = ""
 
     def content_stream(self, fmt: ChatFormat) -> ContentStream | None:
         """Streams content around tool calls; None when no tool call can appear."""
@@ -156,7 +159,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
             return _sse(_completion_stream(plane, fmt, generation, turn, logprobs=logprobs,
                                            include_usage=include_usage))
         result = await generation.wait()
-        generation.record(result)
+        generation.record(result, agent=turn.agent)
         return JSONResponse(_completion_body(plane, fmt, turn, result, logprobs=logprobs))
 
     return router
@@ -238,12 +241,18 @@ def chat_request(plane: EpisodePlane, body: ChatCompletionRequest) -> PlaneReque
         choice=choice, parallel=body.parallel_tool_calls is not False,
         max_tokens=resolve_max_tokens(asked, param=param, default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
-        stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p)
+        stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p,
+        agent=body.model or "")
 
 
 def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
                request: PlaneRequest) -> ChatTurn:
-    """Render the plane's request (messages + tools) and decide how to sample it."""
+    """Render the plane's request (messages + tools) and decide how to sample it.
+
+    `request.agent` is the name the request called the model by (its `model`): an
+    episode's completions are merged into timelines per agent, and the job may train
+    some only.
+    """
     tools, choice = request.tools, request.choice
     offered = tools if tools and choice.mode != "none" else None
     if offered and not fmt.parses_tool_calls:
@@ -269,7 +278,7 @@ def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
     return ChatTurn(prompt=prompt, tools=offered, choice=choice,
                     parallel_tool_calls=request.parallel, sampling=sampling,
                     ask=_ask(prompt.ids, request.max_tokens, request.stop, sampling),
-                    model_name=plane.cfg.model, extra=dict(request.notes))
+                    model_name=plane.cfg.model, extra=dict(request.notes), agent=request.agent)
 
 
 def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
@@ -302,7 +311,8 @@ def completion_request(plane: EpisodePlane, fmt: ChatFormat, body: CompletionReq
         max_tokens=resolve_max_tokens(body.max_tokens, param="max_tokens",
                                       default=cfg.max_new_tokens, limit=cfg.max_response_length),
         stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p,
-        prompt=RenderedPrompt(ids=ids, text=text), prompt_param="prompt")
+        prompt=RenderedPrompt(ids=ids, text=text), prompt_param="prompt",
+        agent=body.model or "")
 
 
 def check_prompt_length(plane: EpisodePlane, n_tokens: int, *, param: str) -> None:
@@ -338,7 +348,11 @@ def finish_reply(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
     except BaseException:
         generation.release()
         raise
-    generation.record(result, tool_call_parse_error=reply.parse_error is not None)
+    generation.record(result, tool_call_parse_error=reply.parse_error is not None,
+                      agent=turn.agent, messages=turn.prompt.messages,
+                      assistant_spans=turn.prompt.assistant_spans,
+                      reply=reply_message(reply.content,
+                                          [(c.name, c.arguments) for c in reply.tool_calls]))
     return reply
 
 
@@ -511,7 +525,7 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
                 continue
             result: GenerationResult = payload
             try:
-                generation.record(result)
+                generation.record(result, agent=turn.agent)
             except EpisodeError as exc:
                 yield stream_error(exc)
                 break

@@ -255,6 +255,8 @@ class PlaneRequest:
     ignored: tuple[str, ...] = ()
     #: what the reply's `ajet` field says about how the request was served
     notes: dict[str, Any] = field(default_factory=dict)
+    #: the agent that asked: the request's `model` name (timelines never mix agents)
+    agent: str = ""
 
 
 # ---------------------------------------------------------------------------- resolution

@@ -146,7 +146,7 @@ def responses_request(plane: EpisodePlane, body: ResponsesRequest) -> PlaneReque
         max_tokens=resolve_max_tokens(body.max_output_tokens, param="max_output_tokens",
                                       default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
-        temperature=body.temperature, top_p=body.top_p)
+        temperature=body.temperature, top_p=body.top_p, agent=body.model or "")
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:

@@ -323,3 +323,27 @@ def test_messages_route_needs_the_episode_header(engine: Any) -> None:
     r = client.post("/v1/messages", json={"max_tokens": 8, "messages": [
         {"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "X-Episode-UUID" in r.json()["detail"]
+
+
+def test_a_multi_turn_messages_episode_is_one_timeline(engine: Any) -> None:
+    from ajet.engine.trajectory import build_samples
+
+    client, generator, plane = engine
+    uuid = _begin(client)
+    generator.replies += [CALL_TEXT, "It is sunny."]
+    question = {"role": "user", "content": "Weather in Paris?"}
+    called = _post(client, uuid, {"model": "claude-x", "max_tokens": 100, "tools": [WEATHER],
+                                  "system": "Use the tools.", "messages": [question]}).json()
+    (use,) = called["content"]
+    _post(client, uuid, {"model": "claude-x", "max_tokens": 100, "tools": [WEATHER],
+                         "system": "Use the tools.", "messages": [
+        question, {"role": "assistant", "content": called["content"]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"],
+                                      "content": "sunny, 24 C"}]}]})
+    first, second = _completions(plane, uuid)
+    assert first.agent == second.agent == "claude-x" and first.messages is not None
+    (sample,) = build_samples([first, second]).samples
+    # both replies trained, with the log-probs they were sampled with; the rest masked
+    assert sample.trained_tokens == len(first.response_ids) + len(second.response_ids)
+    assert sample.token_ids[:len(first.prompt_ids)] == first.prompt_ids
+    assert sample.completions == (0, 1)
