@@ -609,6 +609,9 @@ class BeginEpisodeResponse(BaseModel):
     episode_uuid: str
     openai_base_url: str
     openai_api_key: str
+    #: the server root, without `/v1`: Anthropic clients append `/v1/messages` themselves
+    #: (`anthropic.Anthropic(base_url=..., api_key=openai_api_key)`, `ANTHROPIC_BASE_URL`)
+    anthropic_base_url: str | None = None
     run_id: str | None = None
     timeout_s: float | None = None
 
