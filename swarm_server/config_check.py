@@ -20,13 +20,17 @@ from typing import Any
 import yaml
 
 from swarm_server.errors import Unprocessable
+from swarm_server.run_files import redact_secrets
 from swarm_server.settings import Settings
-from swarm_server.supervisor import snapshot_env
+from swarm_server.supervisor import engine_env
 
 __all__ = ["ValidatedConfig", "config_hash", "is_inside", "validate_job_yaml"]
 
 log = logging.getLogger(__name__)
 
+_STDERR_TAIL_BYTES = 16 * 1024
+_STDERR_TAIL_LINES = 15
+_STDERR_LINE_CHARS = 400
 _HINT_FIX_CODE = ("the validator of the active code failed: fix ajet/copilot/ in your tree and "
                   "sync again, or activate the server's code with activate_snapshot('server')")
 
@@ -62,7 +66,7 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     try:
         proc = subprocess.run(
             cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
-            env=snapshot_env(base_dir), timeout=settings.config_validate_timeout_s, check=False,
+            env=engine_env(settings, base_dir), timeout=settings.config_validate_timeout_s, check=False,
         )
     except subprocess.TimeoutExpired as exc:
         raise Unprocessable(
@@ -72,7 +76,13 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     except OSError as exc:
         raise Unprocessable(f"cannot run the job validator ({cmd[0]}): {exc}",
                             "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
-    stderr_tail = proc.stderr.decode("utf-8", errors="replace").strip().splitlines()[-15:]
+    # Bounded and redacted: this reaches the control caller in the 422.
+    # (A cut first line could hold part of a token, so it goes.)
+    stderr_lines = redact_secrets(proc.stderr[-_STDERR_TAIL_BYTES:].decode(
+        "utf-8", errors="replace"), settings.secret_values()).strip().splitlines()
+    if len(proc.stderr) > _STDERR_TAIL_BYTES:
+        stderr_lines = stderr_lines[1:]
+    stderr_tail = [line[:_STDERR_LINE_CHARS] for line in stderr_lines[-_STDERR_TAIL_LINES:]]
     try:
         result = json.loads(proc.stdout)
         if not isinstance(result, dict) or "ok" not in result:

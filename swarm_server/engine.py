@@ -69,7 +69,7 @@ from swarm_server.supervisor import (
     SocketProbe,
     Spawner,
     SpawnSpec,
-    snapshot_env,
+    engine_env,
     stop_group,
 )
 
@@ -479,7 +479,7 @@ class EngineController:
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),
-                cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
+                cwd=run.run_dir, env=engine_env(self.settings, base), log_path=log_path,
             )
             handle = self._standby.take(spec) if self._standby is not None else None
             warm = handle is not None
@@ -594,7 +594,8 @@ class EngineController:
                 ) -> None:
         """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
         points = read_metrics(run.run_dir / "metrics.jsonl")
-        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES)
+        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
+                                    redact=self.settings.secret_values())
         with self._lock:
             if run.finished:
                 return

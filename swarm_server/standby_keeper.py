@@ -36,8 +36,8 @@ from swarm_server.supervisor import (
     ProcessHandle,
     Spawner,
     SpawnSpec,
+    engine_env,
     process_start_time,
-    snapshot_env,
     stop_group,
 )
 
@@ -177,7 +177,7 @@ class StandbyKeeper:
         # The engine's environment without a snapshot, minus PYTHONPATH: the standby's
         # sys.path must be the interpreter's own, so that it can put the order's
         # PYTHONPATH in front exactly as a fresh interpreter would (standby.py).
-        env = snapshot_env(None)
+        env = engine_env(settings, None)
         env.pop("PYTHONPATH", None)
         argv = [settings.engine_python, str(STANDBY_SCRIPT)]
         if settings.standby_preload:

@@ -220,7 +220,8 @@ def runs_page(request: Request, ctx: Ctx, session: ConsoleAuth,
     latest = ctx.engine.latest_run_id()
     tail: list[str] = []
     if latest:
-        tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40)
+        tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40,
+                                    redact=ctx.settings.secret_values())
     metrics = sorted(names | set(_METRICS)) if names else list(_METRICS)
     return _page("runs.html", request, ctx, session, status=ctx.engine.status(), rows=rows,
                  total=total, chosen=chosen, metric=metric, metrics=metrics,
