@@ -394,7 +394,9 @@ class PendingSnapshot(BaseModel):
 
 class ApprovalDecisionPublic(BaseModel):
     snapshot_id: str
-    decision: Literal["approved", "denied", "revoked"]
+    decision: Literal["approved", "denied", "revoked", "reopened"] = Field(
+        description="reopened: sent back to pending because the approval its review "
+                    "rested on was revoked or denied (the note names it)")
     approver: str
     at: float
     note: str = ""

@@ -34,6 +34,13 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    middle of a body gets 408; on a streamed route the stall reads as a disconnect, so
    the route refuses the upload and removes its temp files.
 
+**Anonymous bodies** (a route that declares no requirement: the console's sign-in, the
+only one; any other body sent to an open path): each `AnonymousGate` the route declares
+decides from the headers first (the sign-in's origin check and throttle), so a refused
+caller never gets `100 Continue`, which the server sends only when the body is first
+read; then the body is bounded to `ANONYMOUS_BODY_BYTES` and must arrive whole within
+`header_timeout_s` of its first read, so a trickle cannot hold a connection open.
+
 The first gate answers itself. The second raises `errors.EarlyRefusal` out of
 `receive`, which FastAPI passes through from its body reading (anything else would
 become a generic 400), and the app's error handler renders it. Refusals are
@@ -69,8 +76,9 @@ from swarm_server.errors import (
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
 
-__all__ = ["CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_BODY",
-           "BodyLimit", "LimitsMiddleware", "json_too_deep"]
+__all__ = ["ANONYMOUS_BODY_BYTES", "CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES",
+           "OPEN_PATHS", "STREAMED_BODY", "AnonymousGate", "BodyLimit", "LimitsMiddleware",
+           "json_too_deep"]
 
 #: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
@@ -78,6 +86,8 @@ OPEN_PATHS = frozenset({"/health"})
 EPISODE_PREFIX = "/v1/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
+#: The most of a body read from a caller no credential admitted yet (the sign-in form).
+ANONYMOUS_BODY_BYTES = 4096
 
 #: The refusals of this middleware, for the OpenAPI schema of every operation (a route's
 #: own description of the same status wins).
@@ -141,6 +151,18 @@ class BodyLimit:
         return None
 
 
+class AnonymousGate:
+    """A route's check of an anonymous request from its headers (and client address),
+    declared as a dependency like `BodyLimit`; the middleware calls `admit` before the
+    body is read. Raise an `ApiError` to refuse."""
+
+    def admit(self, scope: Scope) -> None:
+        raise NotImplementedError
+
+    async def __call__(self) -> None:  # a declaration: FastAPI has nothing to do
+        return None
+
+
 #: The upload routes: they stream their body to disk and enforce their own caps.
 STREAMED_BODY = BodyLimit(streamed=True)
 _DEFAULT_BODY = BodyLimit()
@@ -150,6 +172,7 @@ _DEFAULT_BODY = BodyLimit()
 class _RouteRules:
     requirements: tuple[Requirement, ...]
     body: BodyLimit
+    gates: tuple[AnonymousGate, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -225,7 +248,17 @@ class LimitsMiddleware:
                 rules = self._rules_for(scope)
                 openai = scope["path"].startswith(EPISODE_PREFIX)
                 try:
-                    self._check_requirements(scope, rules)
+                    anonymous = self._check_requirements(scope, rules)
+                    if anonymous:
+                        for gate in rules.gates:
+                            gate.admit(scope)
+                        body = await asyncio.wait_for(
+                            self._read_body(scope, receive, rules.body, anonymous=True),
+                            self.settings.header_timeout_s)
+                        if body is None:
+                            return {"type": "http.disconnect"}
+                        self._check_json(body)
+                        return {"type": "http.request", "body": body, "more_body": False}
                     if rules.body.streamed:
                         state["stream"] = self._idle_limited(receive)
                     else:
@@ -236,6 +269,12 @@ class LimitsMiddleware:
                         return {"type": "http.request", "body": body, "more_body": False}
                 except ApiError as exc:
                     raise EarlyRefusal(exc, openai=openai) from None
+                except asyncio.TimeoutError:
+                    wait = self.settings.header_timeout_s
+                    raise EarlyRefusal(RequestTimeout(
+                        f"the body did not arrive within {wait:g} s",
+                        "send the whole form at once", headers={"Connection": "close"}),
+                        openai=openai) from None
             if state["stream"] is not None:
                 message: Message = await state["stream"]()
                 return message
@@ -251,27 +290,35 @@ class LimitsMiddleware:
         if rules is None:
             requirements: list[Requirement] = []
             bodies: list[BodyLimit] = []
-            _collect(getattr(route, "dependant", None), requirements, bodies)
+            gates: list[AnonymousGate] = []
+            _collect(getattr(route, "dependant", None), requirements, bodies, gates)
             rules = _RouteRules(tuple(dict.fromkeys(requirements)),
-                                bodies[0] if bodies else _DEFAULT_BODY)
+                                bodies[0] if bodies else _DEFAULT_BODY, tuple(gates))
             self._rules[id(route)] = rules
         return rules
 
-    def _check_requirements(self, scope: Scope, rules: _RouteRules) -> None:
+    def _check_requirements(self, scope: Scope, rules: _RouteRules) -> bool:
+        """Check the route's requirements; True when the caller is anonymous (no
+        requirement applies: the console's sign-in, an open path)."""
         requirements = rules.requirements
         if not requirements:
             path = scope["path"]
-            if path.startswith(EPISODE_PREFIX) or _is_console(path):
-                return  # the episode key was checked at the first gate; sign-in is open
+            if path.startswith(EPISODE_PREFIX):
+                return False  # the episode key was checked at the first gate
+            if _is_console(path) or path in OPEN_PATHS:
+                return True  # sign-in is open: its body is read as an anonymous one
             requirements = (_FAIL_CLOSED,)
         headers = Headers(scope=scope)
         for requirement in requirements:
             requirement.check(scope["app"].state, headers)
+        return False
 
-    async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit
-                         ) -> bytes | None:
+    async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit, *,
+                         anonymous: bool = False) -> bytes | None:
         """The whole body under the route's bound; None if the client went away."""
         limit = rule.bound(self.ctx) if rule.bound is not None else self.settings.max_json_bytes
+        if anonymous:
+            limit = min(limit, ANONYMOUS_BODY_BYTES)
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit, rule.knob)
@@ -326,8 +373,10 @@ class LimitsMiddleware:
         return wrapped
 
 
-def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit]) -> None:
-    """The `Requirement`s and `BodyLimit`s among a route's dependencies, nested ones too."""
+def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit],
+             gates: list[AnonymousGate]) -> None:
+    """The `Requirement`s, `BodyLimit`s and `AnonymousGate`s among a route's dependencies,
+    nested ones too."""
     if dependant is None:
         return
     for dep in dependant.dependencies:
@@ -335,7 +384,9 @@ def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyL
             requirements.append(dep.call)
         elif isinstance(dep.call, BodyLimit):
             bodies.append(dep.call)
-        _collect(dep, requirements, bodies)
+        elif isinstance(dep.call, AnonymousGate):
+            gates.append(dep.call)
+        _collect(dep, requirements, bodies, gates)
 
 
 def _is_console(path: str) -> bool:

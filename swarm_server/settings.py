@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     ui_session_ttl_s: float = Field(
         default=8 * 3600.0, gt=0, le=7 * 86_400.0,
         description="AJET_SWARM_UI_SESSION_TTL_S: how long a web console sign-in lasts")
+    ui_sign_ins_per_source: int = Field(
+        default=10, ge=1, le=10_000,
+        description="AJET_SWARM_UI_SIGN_INS_PER_SOURCE: console sign-in attempts per minute "
+                    "from one address (past it: 429)")
+    ui_sign_ins_overall: int = Field(
+        default=100, ge=1, le=100_000,
+        description="AJET_SWARM_UI_SIGN_INS_OVERALL: console sign-in attempts per minute "
+                    "from all addresses together")
     allow_extension_modules: bool = Field(
         default=False,
         description="AJET_SWARM_ALLOW_EXTENSION_MODULES: accept compiled extension modules "
