@@ -44,6 +44,7 @@ def build_context(settings: Settings) -> ServerContext:
     ledger = Ledger(open_ledger_path(settings))
     snapshots = SnapshotStore(settings, ledger)
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
+    snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
     engine = EngineController(settings, ledger, snapshots, approvals=gate)
     gateway = EpisodeGateway(settings, engine)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,

@@ -21,7 +21,9 @@ meta `active_snapshot` (absent = the server's own code, `protocol.SERVER_CODE`).
 
 Garbage collection keeps the newest `keep` snapshots, the active one and every snapshot
 a run in the ledger used (runs are the lasting record of results, so their code stays
-reproducible), and removes blobs no kept snapshot references once older than a grace
+reproducible), and every snapshot `pinned` names (the ones pending review: an approver
+reviewing one must never find it replaced by another upload with the same prefix), and
+removes blobs no kept snapshot references once older than a grace
 period (so blobs uploaded for a commit still to come are not swept away).
 """
 
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -78,6 +80,8 @@ class SnapshotStore:
         # One lock for every change on disk: materialise, activate, GC never interleave.
         self._lock = threading.RLock()
         self._tag: str | None = None  # the engine interpreter's bytecode cache tag
+        #: Ids GC must keep whoever asks (set by `main.build_context`: pending reviews).
+        self.pinned: Callable[[], set[str]] = set
 
     # ------------------------------------------------------------------ paths
 
@@ -374,6 +378,7 @@ class SnapshotStore:
             records = self.ledger.list_snapshots()  # newest first
             protected = {r.id for r in records[:keep]} | {self.active_id()}
             protected |= self.ledger.snapshot_ids_used_by_runs()
+            protected |= self.pinned()
             removed: list[str] = []
             kept: list[SnapshotRecord] = []
             for rec in records:

@@ -249,6 +249,11 @@ def decide_form(
     snapshot_id: Annotated[str, Form(max_length=64)] = "",
 ) -> Response:
     _require_csrf(session, csrf)
+    if not session.can_approve:
+        return _page("error.html", request, ctx, session, status_code=403,
+                     title="Looking only",
+                     text="This session signed in with the control token: it can look, not "
+                          "approve. Sign in with your approver token to decide.")
     # the exact id, in the form's address and again in the form: never a prefix
     rec = ctx.snapshots.get(snapshot_ref) if _FULL_ID.fullmatch(snapshot_ref) else None
     if rec is None or snapshot_id != rec.id:
@@ -256,11 +261,6 @@ def decide_form(
                      title="Not decided",
                      text="a decision names the full snapshot id it was shown for; open the "
                           "snapshot's page from /ui/approvals and decide there")
-    if not session.can_approve:
-        return _page("error.html", request, ctx, session, status_code=403,
-                     title="Looking only",
-                     text="This session signed in with the control token: it can look, not "
-                          "approve. Sign in with your approver token to decide.")
     store = request.app.state.console_sessions
     if confirm.strip().lower() != rec.id[:_CONFIRM_CHARS]:
         store.notify(session.sid, rec.id,
