@@ -24,7 +24,8 @@ from swarm_server.run_files import redact_secrets
 from swarm_server.settings import Settings
 from swarm_server.supervisor import engine_env
 
-__all__ = ["ValidatedConfig", "config_hash", "is_inside", "validate_job_yaml"]
+__all__ = ["ValidatedConfig", "config_hash", "is_inside", "refuse_yaml_expansion",
+           "validate_job_yaml"]
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,49 @@ def config_hash(yaml_text: str) -> str:
     return hashlib.sha256(yaml_text.encode("utf-8")).hexdigest()
 
 
+#: libyaml's scanner where installed: linear, and fast on a large text.
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def refuse_yaml_expansion(yaml_text: str) -> None:
+    """Raise `Unprocessable` if `yaml_text` uses anchors, aliases or merge keys.
+
+    A few hundred bytes of aliases expand to millions of entries when the YAML is built
+    (a "billion laughs"); a job config never needs them. Only the token stream is read
+    (linear in the text, nothing is built), so the refusal is immediate; a syntax error
+    is left to the validator, which names its position.
+    """
+    found: dict[str, str] = {}
+    previous: Any = None
+    try:
+        for token in yaml.scan(yaml_text, Loader=_YAML_LOADER):
+            if isinstance(token, yaml.AnchorToken):
+                found.setdefault("anchors", f"&{token.value}")
+            elif isinstance(token, yaml.AliasToken):
+                found.setdefault("aliases", f"*{token.value}")
+            elif (isinstance(token, yaml.ScalarToken) and token.plain and token.value == "<<"
+                  and isinstance(previous, yaml.KeyToken)):
+                found.setdefault("merge keys", "<<")
+            previous = token
+    except yaml.YAMLError:
+        pass  # what was scanned before the error still counts
+    if found:
+        named = ", ".join(f"{kind} ({example})" for kind, example in found.items())
+        raise Unprocessable(
+            [{"loc": ["yaml"], "msg": f"YAML {named} are not accepted in a job config: they "
+              "can expand a small text into a huge one", "type": "value_error"}],
+            "write every value out in full (AgentJetJob(...).to_yaml() does); nothing was "
+            "changed (the previous config stays)")
+
+
 def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None
                       ) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
     Raises `Unprocessable` naming each bad field, or saying why the validator failed.
+    YAML anchors, aliases and merge keys are refused first (`refuse_yaml_expansion`).
     """
+    refuse_yaml_expansion(yaml_text)
     cmd = [settings.engine_python, "-m", "ajet.copilot.validate"]
     # cwd is sys.path[0] under -m: the snapshot itself, or the workdir (no ajet/ inside)
     cwd = base_dir if base_dir is not None else settings.workdir

@@ -29,7 +29,10 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    as soon as it passes. `STREAMED_BODY` routes (the two uploads) stream to disk under
    their own caps instead.
 5. **JSON encoding and depth** (400), on the buffered body, before any parser: a body
-   that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`.
+   that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`, or one that holds
+   what cannot be stored or sent back (`unencodable_field`): a lone surrogate escape
+   (`"\\ud800"`, no text in any encoding) or `NaN` / `Infinity` (no JSON at all, though
+   Python's parser takes them); the 400 names the field.
 6. **Body idle timeout** (`request_body_timeout_s`). A client that stops sending in the
    middle of a body gets 408; on a streamed route the stall reads as a disconnect, so
    the route refuses the upload and removes its temp files.
@@ -51,6 +54,7 @@ become a generic 400), and the app's error handler renders it. Refusals are
 from __future__ import annotations
 
 import asyncio
+import json
 import operator
 import re
 from collections.abc import Callable
@@ -78,7 +82,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ANONYMOUS_BODY_BYTES", "CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES",
            "OPEN_PATHS", "STREAMED_BODY", "AnonymousGate", "BodyLimit", "LimitsMiddleware",
-           "json_too_deep"]
+           "json_too_deep", "unencodable_field"]
 
 #: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
@@ -105,6 +109,68 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _OPENERS = re.compile(rb"[\[{]")
 _FAIL_CLOSED = ControlRequirement()
+
+
+#: A `\\u` escape of a surrogate (D800-DFFF): only these can make a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_NON_JSON_NUMBERS = (b"NaN", b"Infinity")
+
+
+class _Constant:
+    """What the parser met in place of a number JSON forbids."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def unencodable_field(body: bytes) -> tuple[str, str] | None:
+    """(field path, what is wrong) for the first value that no JSON encoder or UTF-8 store
+    takes back: a string or key with a lone surrogate, or `NaN` / `Infinity`. None when
+    there is none, or when the body is no JSON at all (the route's parser says so).
+
+    The full parse runs only when the bytes could hold one (a surrogate escape, the
+    words NaN or Infinity), so ordinary bodies cost one scan.
+    """
+    if not _SURROGATE_ESCAPE.search(body) and not any(w in body for w in _NON_JSON_NUMBERS):
+        return None
+    try:
+        value = json.loads(body, parse_constant=_Constant)
+    except ValueError:
+        return None
+    return _find_unencodable(value, [])
+
+
+def _find_unencodable(value: Any, path: list[str]) -> tuple[str, str] | None:
+    stack: list[tuple[Any, list[str]]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, _Constant):
+            return _path(where), f"{item.text} is not a JSON number"
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return _path(where), "a lone surrogate (\\ud800-\\udfff) is no text"
+        elif isinstance(item, dict):
+            for key, child in reversed(list(item.items())):
+                if _has_surrogate(key):
+                    return _path([*where, key.encode("utf-8", "backslashreplace").decode()]), \
+                        "a key with a lone surrogate is no text"
+                stack.append((child, [*where, key]))
+        elif isinstance(item, list):
+            stack.extend((child, [*where, str(i)]) for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(parts: list[str]) -> str:
+    return ".".join(parts) or "(body)"
 
 
 def json_too_deep(body: bytes, limit: int) -> bool:
@@ -343,6 +409,11 @@ class LimitsMiddleware:
         if body and json_too_deep(body, self.settings.max_json_depth):
             raise BadRequest(f"JSON nested deeper than {self.settings.max_json_depth} levels",
                              "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
+        bad = unencodable_field(body) if body else None
+        if bad is not None:
+            field, why = bad
+            raise BadRequest(f"field {field}: {why}", "send text as valid Unicode and numbers "
+                             "as finite JSON numbers (null where there is none)", param=field)
 
     async def _next(self, receive: Receive) -> Message:
         wait = self.settings.request_body_timeout_s
