@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from swarm_server.engine_user import EngineUser
 from swarm_server.errors import Unprocessable
 from swarm_server.run_files import redact_secrets
 from swarm_server.settings import Settings
@@ -90,8 +91,8 @@ def refuse_yaml_expansion(yaml_text: str) -> None:
             "changed (the previous config stays)")
 
 
-def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None
-                      ) -> ValidatedConfig:
+def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None,
+                      engine_user: EngineUser | None = None) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
     Raises `Unprocessable` naming each bad field, or saying why the validator failed.
@@ -104,7 +105,9 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     try:
         proc = subprocess.run(
             cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
-            env=engine_env(settings, base_dir), timeout=settings.config_validate_timeout_s, check=False,
+            env=engine_env(settings, base_dir, user=engine_user),
+            timeout=settings.config_validate_timeout_s, check=False,
+            **(engine_user.popen_kwargs() if engine_user is not None else {}),
         )
     except subprocess.TimeoutExpired as exc:
         raise Unprocessable(

@@ -55,6 +55,7 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
+from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_files import read_log_lines, read_metrics, summarize
 from swarm_server.server_code import ServerCode
@@ -161,18 +162,21 @@ class EngineController:
 
     def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
                  spawner: Spawner | None = None, probe: ProbeFactory | None = None,
-                 approvals: Approvals | None = None) -> None:
+                 approvals: Approvals | None = None,
+                 engine_user: EngineUser | None = None) -> None:
         self.settings = settings
+        self.engine_user = engine_user  # --engine-user: every engine process runs as it
         self.ledger = ledger
         self.snapshots = snapshots
         self.approvals = approvals or Approvals(settings, ledger, snapshots,
                                                 ServerCode(_installed_ajet_dir()))
-        self.spawner: Spawner = spawner or PosixSpawner()
+        self.spawner: Spawner = spawner or PosixSpawner(as_user=engine_user)
         self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
         # The warm standby for the next start (real processes only). Built even with
         # settings.warm_standby off, so that recover() stops one an earlier server left.
         self._standby: StandbyKeeper | None = (
-            StandbyKeeper(settings, ledger, self.spawner) if spawner is None else None)
+            StandbyKeeper(settings, ledger, self.spawner, engine_user=engine_user)
+            if spawner is None else None)
         self._lock = threading.RLock()  # guards the fields below; held only briefly
         self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
         self._state = EngineState.OFFLINE
@@ -288,7 +292,8 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
-                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
+                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
+                                            engine_user=self.engine_user)
             except ApiError as exc:
                 self.ledger.audit("sync_config", role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -469,6 +474,10 @@ class EngineController:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
             run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
+            if self.engine_user is not None:  # the engine writes there as its own user
+                self.engine_user.share_run_dir(run.run_dir)
+                if run.socket_tmpdir is not None:
+                    self.engine_user.share(run.socket_tmpdir, 0o770)
             log_path = run.run_dir / "engine.log"
             if base is not None:
                 line = ("[start_engine] Using synced training code from "
@@ -479,7 +488,8 @@ class EngineController:
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),
-                cwd=run.run_dir, env=engine_env(self.settings, base), log_path=log_path,
+                cwd=run.run_dir, env=engine_env(self.settings, base, user=self.engine_user),
+                log_path=log_path,
             )
             handle = self._standby.take(spec) if self._standby is not None else None
             warm = handle is not None

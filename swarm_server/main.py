@@ -20,6 +20,7 @@ from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
+from swarm_server.engine_user import resolve_engine_user
 from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import install_error_handlers
@@ -40,12 +41,20 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> ServerContext:
-    prepare_workdir(settings.workdir)  # umask 077 before the first file is created
+    engine_user = resolve_engine_user(settings)
+    # umask 077 before the first file is created
+    prepare_workdir(settings.workdir, shared=engine_user is not None)
+    if engine_user is not None:  # after the tightening: what the engine must reach
+        engine_user.share_workdir(settings)
+        engine_user.check(settings)
     ledger = Ledger(open_ledger_path(settings))
     snapshots = SnapshotStore(settings, ledger)
+    if engine_user is not None:
+        snapshots.share = engine_user.share_snapshot
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
     snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
-    engine = EngineController(settings, ledger, snapshots, approvals=gate)
+    engine = EngineController(settings, ledger, snapshots, approvals=gate,
+                              engine_user=engine_user)
     gateway = EpisodeGateway(settings, engine)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
                          episodes=gateway, approvals=gate)

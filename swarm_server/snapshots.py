@@ -82,6 +82,9 @@ class SnapshotStore:
         self._tag: str | None = None  # the engine interpreter's bytecode cache tag
         #: Ids GC must keep whoever asks (set by `main.build_context`: pending reviews).
         self.pinned: Callable[[], set[str]] = set
+        #: Called on each new snapshot folder (`EngineUser.share_snapshot` under
+        #: `--engine-user`: the engine's group may read it).
+        self.share: Callable[[Path], None] | None = None
 
     # ------------------------------------------------------------------ paths
 
@@ -354,6 +357,8 @@ class SnapshotStore:
                 t1 = time.perf_counter()
                 compiled = self._compile(entries, partial, final / "ajet")
                 t2 = time.perf_counter()
+                if self.share is not None:
+                    self.share(partial)
                 os.rename(partial, final)
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import psutil
@@ -30,6 +30,9 @@ from pydantic import ValidationError
 
 from ajet.protocol import EngineReport
 from swarm_server.settings import SECRET_ENV_PREFIXES, Settings
+
+if TYPE_CHECKING:
+    from swarm_server.engine_user import EngineUser
 
 __all__ = [
     "EngineProbe",
@@ -184,9 +187,12 @@ def snapshot_env(base_dir: Path | None, environ: Mapping[str, str] | None = None
     return env
 
 
-def engine_env(settings: Settings, base_dir: Path | None) -> dict[str, str]:
-    """`snapshot_env` with the server's `--engine-env` names and its tokens to keep out."""
-    return snapshot_env(base_dir, extra=settings.engine_env, secrets=settings.secret_values())
+def engine_env(settings: Settings, base_dir: Path | None, *,
+               user: EngineUser | None = None) -> dict[str, str]:
+    """`snapshot_env` with the server's `--engine-env` names and its tokens to keep out;
+    under an engine user, that user's home and name."""
+    env = snapshot_env(base_dir, extra=settings.engine_env, secrets=settings.secret_values())
+    return user.env(env) if user is not None else env
 
 
 def stop_group(spawner: Spawner, handle: ProcessHandle, *, grace_s: float,
@@ -230,15 +236,22 @@ def _wait_group_gone(spawner: Spawner, handle: ProcessHandle, deadline: float,
 
 
 class PosixSpawner:
-    """Real processes: `subprocess.Popen(start_new_session=True)` and `os.killpg`."""
+    """Real processes: `subprocess.Popen(start_new_session=True)` and `os.killpg`.
+
+    With `as_user` every process starts as that user (`--engine-user`).
+    """
+
+    def __init__(self, as_user: EngineUser | None = None) -> None:
+        self.as_user = as_user
 
     def start(self, spec: SpawnSpec) -> ProcessHandle:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        user = self.as_user.popen_kwargs() if self.as_user is not None else {}
         with open(spec.log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 spec.argv, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True,
+                close_fds=True, **user,
             )
         return ProcessHandle(pid=proc.pid, start_time=process_start_time(proc.pid), native=proc)
 
