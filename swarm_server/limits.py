@@ -32,7 +32,7 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`, or one that holds
    what cannot be stored or sent back (`unencodable_field`): a lone surrogate escape
    (`"\\ud800"`, no text in any encoding) or `NaN` / `Infinity` (no JSON at all, though
-   Python's parser takes them); the 400 names the field.
+   Python's parser takes them): a 422 naming the field, as validation would.
 6. **Body idle timeout** (`request_body_timeout_s`). A client that stops sending in the
    middle of a body gets 408; on a streamed route the stall reads as a disconnect, so
    the route refuses the upload and removes its temp files.
@@ -74,6 +74,7 @@ from swarm_server.errors import (
     HeadersTooLarge,
     PayloadTooLarge,
     RequestTimeout,
+    Unprocessable,
     openai_error_body,
 )
 
@@ -123,7 +124,7 @@ class _Constant:
         self.text = text
 
 
-def unencodable_field(body: bytes) -> tuple[str, str] | None:
+def unencodable_field(body: bytes) -> tuple[list[str], str] | None:
     """(field path, what is wrong) for the first value that no JSON encoder or UTF-8 store
     takes back: a string or key with a lone surrogate, or `NaN` / `Infinity`. None when
     there is none, or when the body is no JSON at all (the route's parser says so).
@@ -140,19 +141,19 @@ def unencodable_field(body: bytes) -> tuple[str, str] | None:
     return _find_unencodable(value, [])
 
 
-def _find_unencodable(value: Any, path: list[str]) -> tuple[str, str] | None:
+def _find_unencodable(value: Any, path: list[str]) -> tuple[list[str], str] | None:
     stack: list[tuple[Any, list[str]]] = [(value, path)]
     while stack:
         item, where = stack.pop()
         if isinstance(item, _Constant):
-            return _path(where), f"{item.text} is not a JSON number"
+            return where, f"{item.text} is not a JSON number"
         if isinstance(item, str):
             if _has_surrogate(item):
-                return _path(where), "a lone surrogate (\\ud800-\\udfff) is no text"
+                return where, "a lone surrogate (\\ud800-\\udfff) is no text"
         elif isinstance(item, dict):
             for key, child in reversed(list(item.items())):
                 if _has_surrogate(key):
-                    return _path([*where, key.encode("utf-8", "backslashreplace").decode()]), \
+                    return [*where, key.encode("utf-8", "backslashreplace").decode()], \
                         "a key with a lone surrogate is no text"
                 stack.append((child, [*where, key]))
         elif isinstance(item, list):
@@ -411,9 +412,12 @@ class LimitsMiddleware:
                              "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
         bad = unencodable_field(body) if body else None
         if bad is not None:
-            field, why = bad
-            raise BadRequest(f"field {field}: {why}", "send text as valid Unicode and numbers "
-                             "as finite JSON numbers (null where there is none)", param=field)
+            parts, why = bad
+            field = _path(parts)
+            raise Unprocessable(
+                [{"loc": ["body", *parts], "msg": f"field {field}: {why}", "type": "value_error"}],
+                "send text as valid Unicode and numbers as finite JSON numbers (null where "
+                "there is none)", param=field)
 
     async def _next(self, receive: Receive) -> Message:
         wait = self.settings.request_body_timeout_s

@@ -1,4 +1,4 @@
-"""Input no encoder takes back gets a 4xx naming the field, on every route with a JSON
+"""Input no encoder takes back gets a 422 naming the field, on every route with a JSON
 body: a lone surrogate escape (`"\\ud800"`, as a value or a key) and the `NaN` /
 `Infinity` literals JSON forbids but Python's parser accepts. They were 500s (a lone
 surrogate in `begin_episode` metadata left the episode open: it could not be stored).
@@ -90,7 +90,7 @@ def test_every_json_route_names_the_unencodable_field(srv: InProc) -> None:
         body, where = data.draw(poisoned(fields))
         r = srv.call(method, path, token=_token(path), content=body.encode(),
                      headers={"Content-Type": "application/json"})
-        assert r.status_code == 400, (method, path, body, r.status_code, r.text)
+        assert r.status_code == 422, (method, path, body, r.status_code, r.text)
         assert f"field {where}:" in r.text, (path, body, r.text)
 
     check()
@@ -99,12 +99,14 @@ def test_every_json_route_names_the_unencodable_field(srv: InProc) -> None:
 def test_the_episode_routes_refuse_before_anything_is_opened(srv: InProc) -> None:
     r = srv.call("POST", "/begin_episode", content=b'{"metadata": {"note": "\\ud800"}}',
                  headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and r.json()["detail"].startswith("field metadata.note:")
-    assert "lone surrogate" in r.json()["detail"] and r.json()["hint"]
+    problem = r.json()["detail"][0]
+    assert r.status_code == 422 and problem["loc"] == ["body", "metadata", "note"]
+    assert problem["msg"].startswith("field metadata.note:") and "lone surrogate" in problem["msg"]
+    assert r.json()["hint"]
     r = srv.call("POST", "/end_episode", content=b'{"episode_uuid": "e", "task_id": "t", '
                  b'"reward": 1, "log_metrics": {"loss": NaN}}',
                  headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "log_metrics.loss" in r.json()["detail"]
+    assert r.status_code == 422 and "log_metrics.loss" in r.text
 
 
 @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False,
