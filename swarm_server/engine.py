@@ -474,10 +474,6 @@ class EngineController:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
             run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
-            if self.engine_user is not None:  # the engine writes there as its own user
-                self.engine_user.share_run_dir(run.run_dir)
-                if run.socket_tmpdir is not None:
-                    self.engine_user.share(run.socket_tmpdir, 0o770)
             log_path = run.run_dir / "engine.log"
             if base is not None:
                 line = ("[start_engine] Using synced training code from "
@@ -485,6 +481,10 @@ class EngineController:
                 log.info("%s", line)
                 with open(log_path, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
+            if self.engine_user is not None:  # the engine writes there as its own user
+                self.engine_user.share_run_dir(run.run_dir)
+                if run.socket_tmpdir is not None:
+                    self.engine_user.share(run.socket_tmpdir, 0o770)
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),

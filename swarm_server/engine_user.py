@@ -95,11 +95,12 @@ class EngineUser:
         self.share_tree(folder, dir_mode=0o750, file_mode=0o640)
 
     def share_run_dir(self, run_dir: Path) -> None:
-        """A run's folder: the engine writes its metrics, checkpoints and socket there."""
+        """A run's folder: the engine writes its metrics, checkpoints and socket there;
+        it reads `job.yaml` and appends to `engine.log` (a warm standby opens it itself)."""
         self.share(run_dir, 0o770)
         for path in run_dir.iterdir():
-            if path.is_file() and not path.is_symlink() and path.name != "engine.log":
-                self.share(path, 0o640)  # job.yaml; the log is written through its fd
+            if path.is_file() and not path.is_symlink():
+                self.share(path, 0o660 if path.name == "engine.log" else 0o640)
 
     def share_workdir(self, settings: Settings) -> None:
         """The folders the engine needs, at start (after the start-up tightening)."""

@@ -43,7 +43,7 @@ class InProc:
             headers["Authorization"] = f"Bearer {token}"
         return self.http.request(method, path, headers=headers, **kw)
 
-    def upload(self, files: dict[str, str]) -> str:
+    def upload(self, files: dict[str, Any]) -> str:
         """Sync a zip of `files` (paths under ajet/) with the control token; its snapshot id."""
         buf = io.BytesIO()
         with zipfile.ZipFile(buf, "w") as z:

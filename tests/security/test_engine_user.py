@@ -176,6 +176,18 @@ def test_the_engine_runs_as_its_user_and_cannot_reach_the_server(
                              f"DENIED {swarm / 'ajet_temp' / '.blobs'}"], probe.stdout
         assert lines[4] == f"READ {run_dir / 'job.yaml'}", probe.stdout
         srv.call("POST", "/stop_engine", json={})
+        # approved synced code runs as the engine user too, from its shared snapshot
+        full = {f"ajet/{p.relative_to(PROJECT_ROOT / 'ajet')}": p.read_bytes()
+                for p in (PROJECT_ROOT / "ajet").rglob("*")
+                if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+        synced = srv.upload({**full, "ajet/engine_user_mark.py": b"MARK = 1\n"})
+        assert srv.decide(synced, "approve").status_code == 200
+        assert srv.activate(synced).status_code == 200
+        assert srv.call("POST", "/start_engine", json={}).status_code == 200
+        _wait(lambda: srv.call("GET", "/get_engine_status").json()["state"] == "ENGINE.ROLLING")
+        status = srv.call("GET", "/get_engine_status").json()
+        assert status["snapshot_id"] == synced and _uid(status["pid"]) == uid
+        srv.call("POST", "/stop_engine", json={})
         # a new snapshot is shared with the engine's group, read-only
         sid = srv.upload(tiny_ajet("engine-user"))
         folder = srv.ctx.snapshots.folder(srv.ctx.snapshots.get(sid))
