@@ -3,14 +3,14 @@
     python -m bench --only generation
     python -m bench.bench_generation --reps 5      # the figures alone, as JSON
 
-The workload (issue 17): 16 concurrent requests, 256-token prompts (random token ids,
+The workload: 16 concurrent requests, 256-token prompts (random token ids,
 each prompt its own), 64 new tokens each (no end-of-sequence token, so every request
 runs to its length). Both generators run in one process on the same model, one after
 the other, with one torch thread, as the engine runs on CPU (`cpu_threads`):
 
-- `ContinuousBatchingGenerator` (`ajet/engine/continuous_batching.py`): transformers'
+- `ContinuousBatchingGenerator` (`ajet/engine/generation/continuous_batching.py`): transformers'
   continuous batching with a paged KV cache, sized as the engine sizes it on CPU;
-- `RecomputeGenerator` (`ajet/engine/recompute.py`): the first engine's loop, which
+- `RecomputeGenerator` (`ajet/engine/generation/recompute.py`): the first engine's loop, which
   recomputes every prefix for every token.
 
 Models: `ajet-tiny` (built locally) and a ~50M-parameter Qwen2-shaped model with random
@@ -104,7 +104,7 @@ def _models(quick: bool) -> list[tuple[str, Any]]:
 def _run_batch(generator: Any, prompts: list[list[int]], new_tokens: int
                ) -> tuple[int, float]:
     """Submit every prompt at once: (tokens generated, seconds until the last is done)."""
-    from ajet.engine.inference import GenerationRequest, GenerationResult
+    from ajet.engine.generation.interface import GenerationRequest, GenerationResult
 
     done = threading.Semaphore(0)
     results: list[Any] = []
@@ -139,8 +139,8 @@ def _first_token_s(generator: Any, prompt: list[int]) -> float:
 def measure_generation(*, reps: int, quick: bool) -> list[GenerationFigures]:
     import torch
 
-    from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-    from ajet.engine.recompute import RecomputeGenerator
+    from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.generation.recompute import RecomputeGenerator
 
     torch.set_num_threads(1)
     requests, prompt_len, new_tokens = (4, 32, 8) if quick else (REQUESTS, PROMPT_TOKENS,

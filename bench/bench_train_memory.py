@@ -1,4 +1,4 @@
-"""Training memory at scale: FSDP2 shards, and one long micro-batch (issue 16).
+"""Training memory at scale: FSDP2 shards, and one long micro-batch.
 
     python -m bench --only train_memory
 
@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ajet.engine.memory_plan import Available, JobView, model_shape, plan_memory
+from ajet.engine.planning.memory_plan import Available, JobView, model_shape, plan_memory
 from bench.context import BenchContext
 from bench.harness import PROJECT_ROOT, child_env
 from bench.report import Row
@@ -69,7 +69,7 @@ def run(ctx: BenchContext) -> list[Row]:
     peaks = {path: found[f"peak-{path}"] for path in ("old", "new")}
     per_rank = max(_state_bytes(r) for r in ranks)
     mb = 1024 * 1024
-    # the memory planner's terms for the same state (ajet/engine/memory_plan.py)
+    # the memory planner's terms for the same state (ajet/engine/planning/memory_plan.py)
     shape = model_shape(str(model))
     assert shape is not None
     plan = plan_memory(JobView(model=str(model), n_proc=2), shape, Available(1 << 50, "bench"))

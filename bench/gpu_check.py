@@ -23,7 +23,7 @@ What it does, with the engine's own classes:
    by token budget, and the weights published to a bf16 inference copy after each step;
 3. submits `--requests` (64) generation requests at once to the engine's generator
    (`runtime.build_generator`: transformers' continuous batching over the paged KV cache
-   that `kv_cache.py` sizes from `gpu_memory_utilization`, for all the requests at once);
+   that `generation/kv_cache.py` sizes from `gpu_memory_utilization`, for all the requests at once);
 4. prints the decode tokens/s, the step time, the peak memory
    (`torch.cuda.max_memory_allocated`) and the memory planner's estimate for the same run.
 
@@ -179,7 +179,7 @@ def generate_all(generator: Any, prompts: list[list[int]], max_new: int, *,
     """Submit every prompt at once to a started `Generator`; wait for all; the
     `GenerationResult`s (raises `GPUCheckFailed` on a timeout or a failed request).
     `bench/memory_plan_probe.py` generates its rollout with it too."""
-    from ajet.engine.inference import GenerationRequest, GenerationResult
+    from ajet.engine.generation.interface import GenerationRequest, GenerationResult
 
     done = threading.Semaphore(0)
     results: list[GenerationResult | BaseException] = []
@@ -206,7 +206,7 @@ def _generate(policy: Any, cfg: Any, prompts: list[list[int]], max_new: int
     from ajet.engine.runtime import build_generator
 
     # the engine's own generator: continuous batching over the paged KV cache, sized by
-    # kv_cache.py from the job (gpu_memory_utilization on the GPU) for all the requests
+    # generation/kv_cache.py from the job (gpu_memory_utilization on the GPU) for all the requests
     service = build_generator(cfg, policy)
     if type(service).__name__ != "ContinuousBatchingGenerator":
         raise GPUCheckFailed(f"the engine generates with {type(service).__name__}, not the "
@@ -253,10 +253,10 @@ def run(args: argparse.Namespace) -> int:
     from torch.distributed.tensor import DTensor
 
     from ajet.engine.config import engine_config_from_job
-    from ajet.engine.distributed import init_distributed
+    from ajet.engine.parallel.distributed import init_distributed
     from ajet.engine.learner import Learner
-    from ajet.engine.memory_plan import Available, GiB, JobView, model_shape, plan_memory
-    from ajet.engine.peak_memory import PeakMemory
+    from ajet.engine.planning.memory_plan import Available, GiB, JobView, model_shape, plan_memory
+    from ajet.engine.planning.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="ajet-gpu-check-"))
@@ -288,7 +288,7 @@ def run(args: argparse.Namespace) -> int:
             total = torch.cuda.get_device_properties(policy.device).total_memory
             available = Available(int(total), f"torch.cuda: {device_name}")
         else:
-            from ajet.engine.memory_plan import detect_available
+            from ajet.engine.planning.memory_plan import detect_available
 
             available = detect_available(JobView.from_job(job))
         plan = plan_memory(JobView.from_job(job), shape, available)

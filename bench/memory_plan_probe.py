@@ -14,7 +14,7 @@ runs one phase of a step through the engine's own classes, each in a fresh proce
 - generation: the episodes of one step (`max_in_flight` requests of
   `max_prompt_length` tokens, up to `max_response_length` new tokens each) submitted at
   once to the engine's generator (`runtime.build_generator`: the continuous-batching
-  backend with the paged KV cache `kv_cache.py` sizes), as a run's first rollout (no
+  backend with the paged KV cache `generation/kv_cache.py` sizes), as a run's first rollout (no
   optimizer state yet).
 
 The peak (`PeakMemory.peak_bytes()`) is written to out.json with the memory planner's
@@ -42,14 +42,14 @@ import torch  # noqa: E402
 from ajet.copilot.job import AgentJetJob  # noqa: E402
 from ajet.engine.config import engine_config_from_job  # noqa: E402
 from ajet.engine.learner import Learner, TrainSample  # noqa: E402
-from ajet.engine.memory_plan import (  # noqa: E402
+from ajet.engine.planning.memory_plan import (  # noqa: E402
     JobView,
     MemoryPlan,
     detect_available,
     model_shape,
     plan_memory,
 )
-from ajet.engine.peak_memory import PeakMemory  # noqa: E402
+from ajet.engine.planning.peak_memory import PeakMemory  # noqa: E402
 from ajet.engine.policy import load_policy  # noqa: E402
 from ajet.engine.runtime import build_generator  # noqa: E402
 from ajet.engine.tiny import ensure_tiny_model  # noqa: E402

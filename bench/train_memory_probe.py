@@ -71,7 +71,7 @@ def state(model_dir: Path, out: Path) -> None:
 
     from ajet.copilot.job import AgentJetJob
     from ajet.engine.config import engine_config_from_job
-    from ajet.engine.distributed import init_distributed
+    from ajet.engine.parallel.distributed import init_distributed
     from ajet.engine.learner import Learner, TrainSample
     from ajet.engine.policy import load_policy
 
@@ -105,7 +105,7 @@ def state(model_dir: Path, out: Path) -> None:
 
 def peak(model_dir: Path, out: Path, path: str, *, quick: bool) -> None:
     from ajet.engine.scoring import ResponseScorer, pack_responses
-    from ajet.engine.training_model import load_causal_lm
+    from ajet.engine.parallel.training_model import load_causal_lm
 
     torch.set_num_threads(1)
     lm = load_causal_lm(model_dir, dtype=torch.float32, device="cpu")

@@ -1,6 +1,6 @@
 """Validate a job's YAML with the *active code's* own validator, in a short subprocess.
 
-DESIGN.md: whatever a researcher may patch runs from the active snapshot, config
+docs/design.md: whatever a researcher may patch runs from the active snapshot, config
 validation included, so a synced change to `ajet/copilot/job.py` takes effect. The
 server therefore never imports the job model itself; it runs
 `python -m ajet.copilot.validate` with the snapshot first on `PYTHONPATH` and reads one
@@ -47,7 +47,7 @@ class ValidatedConfig:
     experiment_name: str
     ajet_file: str | None  # which ajet the validator ran from
     notes: list[dict[str, str]] = field(default_factory=list)  # accepted without effect
-    #: the memory planner's estimate (ajet/engine/memory_plan.py), None when the snapshot's
+    #: the memory planner's estimate (ajet/engine/planning/memory_plan.py), None when the snapshot's
     #: validator has no planner or the model's config.json is not on this machine
     memory: dict[str, Any] | None = None
 

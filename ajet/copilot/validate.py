@@ -4,13 +4,13 @@ Both forms are read: this project's flat YAML and the original AgentJet's nested
 tree (converted by `ajet.copilot.nested_config`), so the conversion, too, runs from the
 active snapshot. `notes` lists settings accepted without effect here.
 
-After the fields, the memory planner (`ajet/engine/memory_plan.py`, no torch) estimates
+After the fields, the memory planner (`ajet/engine/planning/memory_plan.py`, no torch) estimates
 the job's peak memory per GPU from the checkpoint's `config.json`; a job that will not fit
 is refused here, before anything starts, with the estimate by term, the memory available
 and the smallest changes that fit (`memory_check: warn` accepts it with the estimate).
 
 The swarm server runs this from the active snapshot in a short subprocess, so a synced
-change to the job schema, the conversion or the planner takes effect (DESIGN.md). Prints
+change to the job schema, the conversion or the planner takes effect (docs/design.md). Prints
 one JSON object to stdout: `{"ok": true, "config": {...}, "notes": [...], "memory": {...}
 | null}` or `{"ok": false, "message": ..., "errors": [...], "hint"?: ...}`.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 import ajet
 from ajet.copilot.job import AgentJetJob, JobValidationError
-from ajet.engine.memory_plan import plan_job
+from ajet.engine.planning.memory_plan import plan_job
 
 
 def check(text: str) -> dict[str, Any]:

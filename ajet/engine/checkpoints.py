@@ -71,7 +71,7 @@ def save_checkpoint(learner: Learner, target: Path, *, step: int, run_id: str | 
     if dist.is_main:
         compute = getattr(torch, cfg.dtype)
         if model.lora:
-            from ajet.engine.lora import save_adapter, save_merged
+            from ajet.engine.parallel.lora import save_adapter, save_merged
 
             save_adapter(model.lm, state, partial, base_path=policy.path)  # type: ignore[arg-type]
             if cfg.lora_save_merged:

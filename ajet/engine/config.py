@@ -46,7 +46,7 @@ class BackendDefaults:
     #: "recompute" (no cache; the benchmark's reference). AJET_ENGINE_GENERATION overrides.
     generation_backend: str = "continuous_batching"
     #: CPU KV cache: at most this much memory for the cache and its attention mask (GPU
-    #: runs size it from the job's gpu_memory_utilization instead; ajet/engine/kv_cache.py).
+    #: runs size it from the job's gpu_memory_utilization instead; ajet/engine/generation/kv_cache.py).
     cpu_kv_cache_mb: float = 64.0
     #: CPU: tokens per forward pass (prefill chunk); the mask grows with it.
     cpu_max_batch_tokens: int = 256
@@ -107,7 +107,7 @@ class EngineConfig:
     lora_save_merged: bool
     micro_batch_tokens: int
     mini_batch_num: int
-    #: when a step's batch is complete (ajet.engine.episodes.COLLECTION_METHODS)
+    #: when a step's batch is complete (ajet.engine.plane.episodes.COLLECTION_METHODS)
     sample_collection_method: str
     # --- derived / backend
     device: str

@@ -7,7 +7,7 @@ count, so accumulation equals one big batch), then the gradient norm is clipped 
 `max_grad_norm` and AdamW steps. Micro-batches are cut by a token budget
 (`micro_batch_tokens`: rows x longest prompt + response, padding included), not by a
 row count, so long responses make more micro-batches instead of a higher peak; a sample
-longer than the budget goes alone. The trained model (`training_model.py`: fp32 master
+longer than the budget goes alone. The trained model (`parallel/training_model.py`: fp32 master
 weights, LoRA, activation checkpointing, FSDP2) scores responses in chunks
 (`scoring.py`), so no micro-batch ever holds its whole vocabulary-wide logits.
 
@@ -37,11 +37,11 @@ from dataclasses import dataclass
 import torch
 
 from ajet.engine.config import EngineConfig
-from ajet.engine.distributed import Dist, clip_grad_norm
+from ajet.engine.parallel.distributed import Dist, clip_grad_norm
 from ajet.engine.loss import LossTerms, policy_loss
 from ajet.engine.policy import Policy
 from ajet.engine.scoring import pack_responses
-from ajet.engine.training_model import TrainingModel, build_training_model
+from ajet.engine.parallel.training_model import TrainingModel, build_training_model
 
 __all__ = ["Learner", "TrainSample", "UpdateStats", "micro_batches", "mini_batches"]
 

@@ -5,7 +5,7 @@ the engine needs from it, sampling one token with its log-prob and scoring respo
 checkpoint directory such as `/mnt/models/Qwen2.5-7B-Instruct`; both are loaded by
 `AutoModelForCausalLM` / `AutoTokenizer`. `Policy.model` is the model generation runs,
 in the compute dtype: fp32 on CPU, bf16 on GPU. The update trains fp32 master weights
-(`training_model.py`) and publishes them into it after every step; `score_responses`
+(`parallel/training_model.py`) and publishes them into it after every step; `score_responses`
 (chunked log-probs, `scoring.py`) is re-exported here.
 
 Log-probs are those of the temperature-scaled distribution `softmax(logits / T)`, both

@@ -5,7 +5,7 @@
 
 Boot order: config (a bad field fails here, named in the traceback), the private
 channel (`GET /status` answers ENGINE.BOOTING from then on), the policy (ajet-tiny is
-built first if needed), the generator (`continuous_batching.py`, or `recompute.py` with
+built first if needed), the generator (`generation/continuous_batching.py`, or `generation/recompute.py` with
 AJET_ENGINE_GENERATION=recompute), then the step loop (`trainer.train`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, or `max_steps` reached), with the
@@ -14,7 +14,7 @@ the server appends to `<run_dir>/engine.log`. Signal handlers only set an event.
 
 Under `torchrun` (docs/distributed.md) every rank runs this and every rank generates;
 rank 0 alone opens the private channel, routes each episode's generation to a rank
-(`ranks.py`), writes metrics and checkpoints, and decides when to stop (the other ranks
+(`generation/ranks.py`), writes metrics and checkpoints, and decides when to stop (the other ranks
 follow it, whatever signals they get themselves).
 """
 
@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
     from ajet.engine.config import EngineConfig
-    from ajet.engine.inference import Generator
+    from ajet.engine.generation.interface import Generator
     from ajet.engine.policy import Policy
 
 __all__ = ["main", "parse_args"]
@@ -101,16 +101,17 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     # transformers' continuous batching logs every cache (re)build at INFO: once a step
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
 
-    from ajet.engine.channel import ChannelServer
-    from ajet.engine.chat_api import EpisodePlane, create_channel_app
+    from ajet.engine.transport.unix_server import ChannelServer
+    from ajet.engine.plane.app import create_channel_app
+    from ajet.engine.plane.episode_plane import EpisodePlane
     from ajet.engine.config import load_engine_config
-    from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
-    from ajet.engine.episodes import EpisodeRegistry
+    from ajet.engine.parallel.distributed import Dist, init_distributed, start_orphan_watchdog
+    from ajet.engine.plane.episodes import EpisodeRegistry
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
-    from ajet.engine.peak_memory import PeakMemory
+    from ajet.engine.planning.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy, resolve_model_path
-    from ajet.engine.ranks import RankService, connect_ranks
+    from ajet.engine.generation.ranks import RankService, connect_ranks
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
@@ -211,7 +212,7 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     memory planner sizes the same KV cache (`kv_cache.generation_concurrency`)."""
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
-        from ajet.engine.recompute import RecomputeGenerator
+        from ajet.engine.generation.recompute import RecomputeGenerator
 
         log.warning("generating with the reference backend (no KV cache): "
                     "AJET_ENGINE_GENERATION=recompute")
@@ -220,8 +221,8 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     if backend != "continuous_batching":
         raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
                          "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
-    from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-    from ajet.engine.kv_cache import generation_concurrency
+    from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.generation.kv_cache import generation_concurrency
 
     return ContinuousBatchingGenerator(
         model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
@@ -239,7 +240,7 @@ def _log_memory_plan(job: object, device: object) -> int | None:
     metrics' `peak_memory_mb` should come to (`planned_peak_mb`), or None."""
     import torch
 
-    from ajet.engine.memory_plan import Available, JobView, detect_available, plan_job
+    from ajet.engine.planning.memory_plan import Available, JobView, detect_available, plan_job
 
     view = JobView.from_job(job)
     dev = torch.device(str(device))

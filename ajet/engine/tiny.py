@@ -31,7 +31,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE
+from ajet.engine.plane.chat_format import QWEN25_RESPONSE_TEMPLATE
 
 __all__ = ["TINY_MODEL_NAME", "TinySpec", "build_tiny_checkpoint", "ensure_tiny_model",
            "tiny_model_dir", "tiny_vocab_size"]

@@ -38,12 +38,12 @@ from pathlib import Path
 from ajet.engine.advantages import grpo_advantages
 from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig
-from ajet.engine.distributed import Dist
-from ajet.engine.episodes import EpisodeRegistry, Group
-from ajet.engine.inference import Generator
+from ajet.engine.parallel.distributed import Dist
+from ajet.engine.plane.episodes import EpisodeRegistry, Group
+from ajet.engine.generation.interface import Generator
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.metrics import MetricsWriter, step_metrics
-from ajet.engine.peak_memory import PeakMemory
+from ajet.engine.planning.peak_memory import PeakMemory
 from ajet.engine.policy import Policy
 from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
@@ -91,7 +91,7 @@ def train(parts: TrainerParts) -> int:
         step_start = time.monotonic()
 
         # ROLLING: claims open until the batch is complete (batch_size complete groups
-        # by default; the job's sample-collection method decides, see episodes.py).
+        # by default; the job's sample-collection method decides, see plane/episodes.py).
         registry.set_state(EngineState.ROLLING, step=step)
         if not registry.wait_until(registry.batch_ready,
                                    stop=stop, sweep_interval_s=cfg.sweep_interval_s):

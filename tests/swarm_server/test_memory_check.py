@@ -16,7 +16,7 @@ from ajet.client import SwarmClient
 from tests.support import ServerHandle, make_ajet_repo, start_server
 
 QWEN_7B = Path(__file__).parents[1] / "ajet" / "engine" / "models" / "Qwen2.5-7B-Instruct"
-#: the headline job (DESIGN.md): Qwen2.5-7B-Instruct full fine-tuning, 32 x 4, 2k + 2k
+#: the headline job (docs/design.md): Qwen2.5-7B-Instruct full fine-tuning, 32 x 4, 2k + 2k
 HEADLINE = (f"experiment_name: headline\nmodel: {QWEN_7B}\nbatch_size: 32\nnum_repeat: 4\n"
             "max_prompt_length: 2048\nmax_response_length: 2048\n")
 
@@ -86,7 +86,7 @@ def test_memory_check_warn_accepts_a_job_that_does_not_fit(gpu_server: ServerHan
 def test_the_planner_of_the_synced_snapshot_decides(gpu_server: ServerHandle,
                                                     tmp_path: Path) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
-    plan_py = repo / "ajet" / "engine" / "memory_plan.py"
+    plan_py = repo / "ajet" / "engine" / "planning" / "memory_plan.py"
     source = plan_py.read_text()
     patched = source.replace("_CUDA_CONTEXT = 1 * GiB", "_CUDA_CONTEXT = 100 * GiB")
     assert patched != source, "memory_plan.py changed shape; update this test"

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.inference import Generator
+from ajet.engine.generation.interface import Generator
 from tests.support import PROJECT_ROOT
 
 

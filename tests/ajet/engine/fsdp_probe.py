@@ -32,7 +32,7 @@ import torch
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.checkpoints import load_training_state, save_checkpoint
 from ajet.engine.config import engine_config_from_job
-from ajet.engine.distributed import Dist, init_distributed, start_orphan_watchdog
+from ajet.engine.parallel.distributed import Dist, init_distributed, start_orphan_watchdog
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.policy import load_policy
 from ajet.engine.tiny import ensure_tiny_model

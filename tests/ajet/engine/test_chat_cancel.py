@@ -17,11 +17,12 @@ import httpx
 import pytest
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.channel import ChannelServer
-from ajet.engine.chat_api import EpisodePlane, create_channel_app
+from ajet.engine.transport.unix_server import ChannelServer
+from ajet.engine.plane.app import create_channel_app
+from ajet.engine.plane.episode_plane import EpisodePlane
 from ajet.engine.config import engine_config_from_job
-from ajet.engine.episodes import EpisodeRegistry
-from ajet.engine.inference import (
+from ajet.engine.plane.episodes import EpisodeRegistry
+from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationRefused,
     GenerationRequest,

@@ -10,18 +10,18 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from ajet.engine.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
-from ajet.engine.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
-from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-from ajet.engine.inference import GenerationRequest, GenerationResult, Generator
-from ajet.engine.openai_requests import (
+from ajet.engine.plane.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
+from ajet.engine.plane.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
+from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+from ajet.engine.generation.interface import GenerationRequest, GenerationResult, Generator
+from ajet.engine.plane.request_policy import (
     BadRequest,
     check_parameters,
     resolve_sampling,
     resolve_tool_choice,
 )
 from ajet.engine.policy import Policy, load_policy
-from ajet.engine.recompute import RecomputeGenerator
+from ajet.engine.generation.recompute import RecomputeGenerator
 from ajet.engine.tiny import ensure_tiny_model
 from ajet.protocol import EngineState
 
@@ -138,7 +138,7 @@ def test_eval_episodes_sample_as_asked_and_training_ones_with_the_run() -> None:
     registry.set_state(EngineState.ROLLING)
     episode = registry.begin()
     assert registry.episode_type(episode.uuid) == TRAIN_EPISODE
-    episode.episode_type = EVAL_EPISODE  # type: ignore[attr-defined]  # set by begin (issue 14)
+    episode.episode_type = EVAL_EPISODE  # type: ignore[attr-defined]  # set by begin
     assert registry.episode_type(episode.uuid) == EVAL_EPISODE
 
 

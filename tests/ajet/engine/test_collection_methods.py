@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ajet.engine.episodes import CLIENT_ACTIVE_TIMEOUT_S, EpisodeRegistry, NotOwner
+from ajet.engine.plane.episodes import CLIENT_ACTIVE_TIMEOUT_S, EpisodeRegistry, NotOwner
 from ajet.protocol import EngineState
 from tests.ajet.engine.test_episodes import FakeClock
 

@@ -12,7 +12,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ajet.engine.episodes import (
+from ajet.engine.plane.episodes import (
     EpisodeClosed,
     EpisodeError,
     EpisodeRegistry,

@@ -20,8 +20,8 @@ import torch
 
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.config import engine_config_from_job
-from ajet.engine.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-from ajet.engine.inference import (
+from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationInterrupted,
     GenerationRefused,

@@ -1,4 +1,4 @@
-"""KV cache sizing (`ajet/engine/kv_cache.py`): plain arithmetic, no torch."""
+"""KV cache sizing (`ajet/engine/generation/kv_cache.py`): plain arithmetic, no torch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ajet.engine.kv_cache import (
+from ajet.engine.generation.kv_cache import (
     CacheTooSmall,
     ModelGeometry,
     plan_cpu_cache,
@@ -68,7 +68,7 @@ def test_gpu_cache_gets_what_the_utilisation_leaves() -> None:
 
 
 def test_the_plan_imports_no_torch() -> None:
-    code = ("import sys, json; import ajet.engine.kv_cache, ajet.engine.inference; "
+    code = ("import sys, json; import ajet.engine.generation.kv_cache, ajet.engine.generation.interface; "
             "print(json.dumps([m for m in ('torch', 'transformers') if m in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT_ROOT, check=True,
                          capture_output=True, text=True)

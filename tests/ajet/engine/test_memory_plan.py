@@ -14,8 +14,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.config import engine_config_from_job
 from ajet.engine.learner import Learner, TrainSample
-from ajet.engine.lora import apply_lora
-from ajet.engine.memory_plan import (
+from ajet.engine.parallel.lora import apply_lora
+from ajet.engine.planning.memory_plan import (
     GiB,
     MiB,
     Available,
@@ -31,7 +31,7 @@ from ajet.engine.scoring import ResponseScorer, pack_responses
 from ajet.engine.tiny import ensure_tiny_model
 
 QWEN_7B = Path(__file__).parent / "models" / "Qwen2.5-7B-Instruct"
-#: the headline job (DESIGN.md): Qwen2.5-7B-Instruct, 32 task groups x 4, 2k + 2k tokens
+#: the headline job (docs/design.md): Qwen2.5-7B-Instruct, 32 task groups x 4, 2k + 2k tokens
 HEADLINE = dict(model=str(QWEN_7B), batch_size=32, num_repeat=4, max_prompt_length=2048,
                 max_response_length=2048)
 H100 = Available(81559 * MiB, "test: nvidia-smi of an H100 80GB")
@@ -279,7 +279,7 @@ def test_memory_available_from_nvidia_smi_gpu_memory_gb_and_the_host(
 
 
 def test_a_job_whose_model_has_no_config_json_here_is_not_planned(tmp_path: Path) -> None:
-    from ajet.engine.memory_plan import plan_job
+    from ajet.engine.planning.memory_plan import plan_job
 
     assert plan_job(AgentJetJob(model=str(tmp_path / "elsewhere"))) is None
     (tmp_path / "broken").mkdir()

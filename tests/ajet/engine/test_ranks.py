@@ -15,14 +15,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from ajet.engine.inference import (
+from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationHandle,
     GenerationRefused,
     GenerationRequest,
     GenerationResult,
 )
-from ajet.engine.ranks import RankRouter, RankService, RemoteGenerator
+from ajet.engine.generation.ranks import RankRouter, RankService, RemoteGenerator
 from tests.ajet.engine.engine_support import StubGenerator
 
 

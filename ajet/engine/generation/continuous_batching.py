@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from ajet.engine.inference import (
+from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationInterrupted,
     GenerationRefused,
@@ -55,7 +55,7 @@ from ajet.engine.inference import (
     ReplyText,
     effective_sampling,
 )
-from ajet.engine.kv_cache import (
+from ajet.engine.generation.kv_cache import (
     CachePlan,
     ModelGeometry,
     plan_cpu_cache,

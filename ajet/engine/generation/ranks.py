@@ -49,9 +49,9 @@ from fastapi import Depends, FastAPI, Header, HTTPException
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from ajet.engine.channel import MAX_SOCKET_PATH, ChannelServer
-from ajet.engine.distributed import Dist
-from ajet.engine.inference import (
+from ajet.engine.transport.unix_server import MAX_SOCKET_PATH, ChannelServer
+from ajet.engine.parallel.distributed import Dist
+from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationHandle,
     GenerationInterrupted,

@@ -19,22 +19,22 @@ import time
 import uuid as uuidlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from ajet.engine.chat_format import (
+from ajet.engine.plane.chat_format import (
     ChatFormat,
     ContentStream,
     FormatError,
     ParsedReply,
     RenderedPrompt,
 )
-from ajet.engine.episodes import EpisodeError
-from ajet.engine.inference import GenerationResult
-from ajet.engine.openai_requests import (
+from ajet.engine.plane.episodes import EpisodeError
+from ajet.engine.generation.interface import GenerationResult
+from ajet.engine.plane.request_policy import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,10 +46,9 @@ from ajet.engine.openai_requests import (
     resolve_stop,
     resolve_tool_choice,
 )
-from ajet.engine.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.episode_plane import EpisodePlane
 
-if TYPE_CHECKING:
-    from ajet.engine.chat_api import EpisodePlane
 
 __all__ = [
     "ChatTurn",
@@ -444,12 +443,13 @@ async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generat
                     yield chunk({"tool_calls": [{"index": index,
                                                  "function": {"arguments": call.arguments}}]})
                 lp = {"content": token_logprobs(fmt, result)} if logprobs else None
-                yield chunk({}, finish_reason(result, reply), logprobs=lp,
-                            ajet=ajet_field(turn))
+                # `ajet` rides on the last chunk: the usage chunk when one follows
+                last = {} if include_usage else {"ajet": ajet_field(turn)}
+                yield chunk({}, finish_reason(result, reply), logprobs=lp, **last)
                 if include_usage:
                     yield _event({"id": chunk_id, "object": "chat.completion.chunk",
                                   "created": created, "model": turn.model_name, "choices": [],
-                                  "usage": usage(result)})
+                                  "usage": usage(result), "ajet": ajet_field(turn)})
         yield b"data: [DONE]\n\n"
     finally:
         generation.release()  # a no-op once recorded; the client may have gone away
@@ -500,11 +500,12 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
                 yield stream_error(exc)
                 break
             lp = _completion_logprobs(fmt, result) if logprobs else None
-            yield chunk("", result.finish_reason, logprobs=lp, ajet=ajet_field(turn))
+            last = {} if include_usage else {"ajet": ajet_field(turn)}
+            yield chunk("", result.finish_reason, logprobs=lp, **last)
             if include_usage:
                 yield _event({"id": chunk_id, "object": "text_completion", "created": created,
                               "model": turn.model_name, "choices": [],
-                              "usage": usage(result)})
+                              "usage": usage(result), "ajet": ajet_field(turn)})
             break
         yield b"data: [DONE]\n\n"
     finally:

@@ -22,8 +22,8 @@ from typing import Any
 
 from fastapi import Request
 
-from ajet.engine.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
-from ajet.engine.inference import (
+from ajet.engine.plane.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
+from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationHandle,
     GenerationInterrupted,

@@ -24,15 +24,15 @@ import json
 import time
 import uuid as uuidlib
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
-from ajet.engine.chat_format import ChatFormat, FormatError, ParsedReply, text_content
-from ajet.engine.inference import GenerationResult
-from ajet.engine.openai_api import (
+from ajet.engine.plane.chat_format import ChatFormat, FormatError, ParsedReply, text_content
+from ajet.engine.generation.interface import GenerationResult
+from ajet.engine.plane.openai_api import (
     ChatTurn,
     accept_body,
     ajet_field,
@@ -43,16 +43,15 @@ from ajet.engine.openai_api import (
     stream_error,
     token_logprobs,
 )
-from ajet.engine.openai_requests import (
+from ajet.engine.plane.request_policy import (
     BadRequest,
     RequestBody,
     resolve_max_tokens,
     resolve_tool_choice,
 )
-from ajet.engine.serving import Generation
+from ajet.engine.plane.serving import Generation
+from ajet.engine.plane.episode_plane import EpisodePlane
 
-if TYPE_CHECKING:
-    from ajet.engine.chat_api import EpisodePlane
 
 __all__ = ["ResponsesRequest", "responses_router", "responses_to_messages"]
 

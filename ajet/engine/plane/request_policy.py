@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ajet.engine.episodes import EVAL_EPISODE, EpisodeError
+from ajet.engine.plane.episodes import EVAL_EPISODE, EpisodeError
 
 __all__ = [
     "BadRequest",

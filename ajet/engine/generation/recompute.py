@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ajet.engine.inference import (
+from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationInterrupted,
     GenerationRefused,

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ajet.engine.config import BackendDefaults, episodes_in_flight
-from ajet.engine.kv_cache import (
+from ajet.engine.generation.kv_cache import (
     CachePlan,
     CacheTooSmall,
     ModelGeometry,

@@ -37,7 +37,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ajet.engine.config import EngineConfig
-from ajet.engine.distributed import Dist, copy_full_weights
+from ajet.engine.parallel.distributed import Dist, copy_full_weights
 from ajet.engine.policy import Policy
 from ajet.engine.scoring import ResponseBatch, ResponseScorer
 
@@ -110,7 +110,7 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
         lm = load_causal_lm(policy.path, dtype=master,
                             device="cpu" if dist.active else policy.device)
     if cfg.lora:
-        from ajet.engine.lora import apply_lora
+        from ajet.engine.parallel.lora import apply_lora
 
         lora_args = dict(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                          target_modules=cfg.lora_target_modules, seed=cfg.seed)
