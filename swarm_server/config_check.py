@@ -31,6 +31,8 @@ __all__ = ["ValidatedConfig", "config_hash", "is_inside", "refuse_yaml_expansion
 log = logging.getLogger(__name__)
 
 _STDERR_TAIL_BYTES = 16 * 1024
+#: A validator's JSON result: a job config with notes and a memory estimate, far smaller.
+_MAX_RESULT_BYTES = 4 * 1024 * 1024
 _STDERR_TAIL_LINES = 15
 _STDERR_LINE_CHARS = 400
 _HINT_FIX_CODE = ("the validator of the active code failed: fix ajet/copilot/ in your tree and "
@@ -125,7 +127,11 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
         stderr_lines = stderr_lines[1:]
     stderr_tail = [line[:_STDERR_LINE_CHARS] for line in stderr_lines[-_STDERR_TAIL_LINES:]]
     try:
-        result = json.loads(proc.stdout)
+        if len(proc.stdout) > _MAX_RESULT_BYTES:
+            raise ValueError(f"a result of {len(proc.stdout)} bytes")
+        # every string of the result reaches a caller (the 422, the stored config): a
+        # token the validator's code came by is redacted there too
+        result = _redacted(json.loads(proc.stdout), settings.secret_values())
         if not isinstance(result, dict) or "ok" not in result:
             raise ValueError("not a validator result")
     except ValueError as exc:
@@ -167,6 +173,17 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                for n in result.get("notes") or [] if isinstance(n, dict)],
         memory=memory if isinstance(memory, dict) else None,
     )
+
+
+def _redacted(value: Any, secrets: list[str]) -> Any:
+    """`value` (parsed JSON) with every configured secret redacted from its strings."""
+    if isinstance(value, str):
+        return redact_secrets(value, secrets)
+    if isinstance(value, list):
+        return [_redacted(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {redact_secrets(str(k), secrets): _redacted(v, secrets) for k, v in value.items()}
+    return value
 
 
 def _error(raw: Any) -> dict[str, Any]:

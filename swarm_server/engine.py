@@ -57,7 +57,7 @@ from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
-from swarm_server.run_files import read_log_lines, read_metrics, summarize
+from swarm_server.run_files import read_log_lines, read_metrics, redact_secrets, summarize
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -232,7 +232,9 @@ class EngineController:
             snapshot_path=snapshot.path if snapshot else None,
             pid=pid,
             step=report.step if report else None,
-            ajet_file=report.ajet_file if report else None,
+            # engine-written text a caller reads: a token in it is redacted
+            ajet_file=redact_secrets(report.ajet_file, self.settings.secret_values())
+            if report else None,
             has_config=bool(yaml_text),
             experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
             last_error=last_error,

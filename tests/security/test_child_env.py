@@ -125,10 +125,32 @@ def test_an_approved_validator_cannot_hand_a_token_to_the_agent(
     assert len(r.content) < 64 * 1024
 
 
+RESULT = '''\
+import json
+token = open({path!r}).read().strip().split("=", 1)[1]
+print(json.dumps({{"ok": False, "errors": [{{"loc": ["lr"], "msg": "bad " + token}}],
+                  "hint": "hint " + token}}))
+'''
+
+
+def test_a_validator_result_is_redacted_too(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "approvers"
+    tokens_file.write_text(f"bob={BOB_TOKEN}\n")
+    with inproc_server(tmp_path / "swarm", approver_tokens=f"alice={APPROVER_TOKEN}",
+                       approver_tokens_file=tokens_file) as srv:
+        sid = srv.upload({"ajet/__init__.py": "", "ajet/copilot/__init__.py": "",
+                          "ajet/copilot/validate.py": RESULT.format(path=str(tokens_file))})
+        assert srv.decide(sid, "approve").status_code == 200
+        assert srv.activate(sid).status_code == 200
+        r = srv.call("POST", "/sync_train_config", json={"yaml": "experiment_name: x\n"})
+    assert r.status_code == 422, r.text
+    assert BOB_TOKEN not in r.text and r.json()["detail"][0]["msg"] == f"bad {REDACTED}"
+    assert r.json()["hint"] == f"hint {REDACTED}"
+
+
 def test_short_tokens_are_refused_at_start(tmp_path: Path) -> None:
     for kw in ({"token": "0123"}, {"token": CONTROL_TOKEN, "worker_token": "short-worker"},
                {"token": CONTROL_TOKEN, "approver_tokens": "alice=4242"}):
         with pytest.raises(ValueError, match="shorter than 16 characters"):
             Settings(workdir=tmp_path, **kw)  # type: ignore[arg-type]
     assert Settings(workdir=tmp_path, token="x" * 16).token is not None
-    assert os.environ.get("AJET_SWARM_TOKEN") is None or True  # the check reads settings only
