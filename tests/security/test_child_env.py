@@ -11,7 +11,6 @@ environment and the approvers' tokens file, then exits without a result.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest

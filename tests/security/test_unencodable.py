@@ -11,7 +11,6 @@ episode plane with a rolling engine is covered in `tests/security/test_schemathe
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
