@@ -189,9 +189,13 @@ def snapshot_env(base_dir: Path | None, environ: Mapping[str, str] | None = None
 
 def engine_env(settings: Settings, base_dir: Path | None, *,
                user: EngineUser | None = None) -> dict[str, str]:
-    """`snapshot_env` with the server's `--engine-env` names and its tokens to keep out;
-    under an engine user, that user's home and name."""
-    env = snapshot_env(base_dir, extra=settings.engine_env, secrets=settings.secret_values())
+    """`snapshot_env` with the server's `--engine-env` names, and its tokens and the path
+    of the approvers' tokens file to keep out; under an engine user, that user's home and
+    name."""
+    secrets = settings.secret_values()
+    if settings.approver_tokens_file is not None:  # no path to a secret either
+        secrets.append(str(settings.approver_tokens_file))
+    env = snapshot_env(base_dir, extra=settings.engine_env, secrets=secrets)
     return user.env(env) if user is not None else env
 
 

@@ -18,7 +18,7 @@ import pytest
 from mcp_bridge.rollouts import child_environment
 from swarm_server.run_files import REDACTED, read_log_lines, redact_secrets
 from swarm_server.settings import Settings
-from swarm_server.supervisor import snapshot_env
+from swarm_server.supervisor import engine_env, snapshot_env
 from tests.security.inproc import BOB_TOKEN, inproc_server
 from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, WORKER_TOKEN
 
@@ -50,6 +50,17 @@ def test_children_get_an_allow_list_of_the_environment() -> None:
     assert "/etc/ajet/approvers" not in text
     assert not any(t in text for t in (CONTROL_TOKEN, WORKER_TOKEN, APPROVER_TOKEN))
     assert env["PYTHONPATH"] == "/snap" and env["ISOLATED_AGENTJET_BASE_DIR"] == "/snap"
+
+
+def test_no_path_to_the_tokens_file_under_any_name(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens = tmp_path / "approvers"
+    tokens.write_text(f"bob={BOB_TOKEN}\n")
+    monkeypatch.setenv("HF_TOKEN_PATH", str(tokens))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    settings = Settings(workdir=tmp_path, token=CONTROL_TOKEN, approver_tokens_file=tokens)
+    env = engine_env(settings, None)
+    assert "HF_TOKEN_PATH" not in env and env["HF_HOME"] == str(tmp_path / "hf")
 
 
 def test_engine_env_never_names_a_server_secret(tmp_path: Path) -> None:
