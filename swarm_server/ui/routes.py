@@ -121,20 +121,15 @@ class SignInGate(AnonymousGate):
     """Whether a sign-in may proceed, from its headers alone: the limits middleware asks
     before a byte of the form is read (and so before any `100 Continue`).
 
-    Another origin: 403. Past the throttle (`SignInThrottle`, per source and overall):
-    429 with `Retry-After`. Both are audited (a throttled source once per window).
+    Past the throttle (`SignInThrottle`, per source and overall): 429 with `Retry-After`.
+    Another origin: 403. Both are audited (a throttled source once per window).
     """
 
     def admit(self, scope: Any) -> None:
         state = scope["app"].state
         ledger = state.ctx.ledger
         source = _source(scope)
-        foreign = _foreign_origin(scope)
-        if foreign is not None:
-            ledger.audit("console_sign_in", "anonymous", "refused: another origin",
-                         {"source": source, "origin": foreign[:200]})
-            raise Forbidden("this sign-in form was sent from another site",
-                            "open the console at its own address and sign in there")
+        # the throttle first: every attempt counts, so audit entries are bounded too
         wait_s, first = state.sign_in_throttle.attempt(source)
         if wait_s:
             if first:  # one entry per source and window, not one per refused attempt
@@ -143,6 +138,12 @@ class SignInGate(AnonymousGate):
             raise _TooManySignIns(f"too many sign-in attempts; wait {wait_s:.0f} s",
                                   "sign in again after the wait",
                                   headers={"Retry-After": str(max(1, round(wait_s)))})
+        foreign = _foreign_origin(scope)
+        if foreign is not None:
+            ledger.audit("console_sign_in", "anonymous", "refused: another origin",
+                         {"source": source, "origin": foreign[:200]})
+            raise Forbidden("this sign-in form was sent from another site",
+                            "open the console at its own address and sign in there")
 
 
 @router.get("")
