@@ -179,7 +179,9 @@ def check_ledger_file(path: Path) -> None:
         raise LedgerUnusable(f"the ledger {path} is not a SQLite database (truncated or "
                              f"overwritten); {_WHAT_TO_DO}")
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        # read-write (never create): a read-only connection cannot recover a WAL a
+        # crashed server left without its shared-memory file
+        db = sqlite3.connect(f"file:{path}?mode=rw", uri=True)
         try:
             check = db.execute("PRAGMA quick_check").fetchone()[0]
             version = int(db.execute("PRAGMA user_version").fetchone()[0])

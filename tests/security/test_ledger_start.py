@@ -7,6 +7,7 @@ ledger used to start the server fresh, every approval and the audit log gone, si
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,16 @@ def test_a_sound_or_absent_ledger_starts(tmp_path: Path) -> None:
     path = _ledger_with_history(tmp_path / "w")
     check_ledger_file(path)
     assert issubclass(LedgerUnusable, StartupRefused)
+    # what a killed server leaves: the main file and an unmerged WAL, no shared memory
+    live = Ledger(tmp_path / "live.sqlite3")
+    live.audit("approve", "approver:alice", "ok", {})
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    for suffix in ("", "-wal"):
+        shutil.copy(tmp_path / f"live.sqlite3{suffix}", crashed / f"swarm.sqlite3{suffix}")
+    live.close()
+    check_ledger_file(crashed / "swarm.sqlite3")
+    assert Ledger(crashed / "swarm.sqlite3").list_audit(limit=10)[1] == 1
 
 
 def test_unreadable_is_named(tmp_path: Path) -> None:
