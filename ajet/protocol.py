@@ -451,6 +451,10 @@ class ApprovalDecisionRequest(_Model):
     snapshot_id: str = Field(pattern=r"^[0-9a-f]{64}$",
                              description="The full snapshot id, confirming what is decided")
     note: str = Field(default="", max_length=2000, description="Why (kept in the ledger)")
+    base_id: str | None = Field(
+        default=None, pattern=r"^([0-9a-f]{64}|server)$",
+        description="The base of the review that was read (`ReviewPage.base_id`); the "
+                    "approval rests on it. Default: the review's default base now")
 
 
 # ---------------------------------------------------------------------------- runs

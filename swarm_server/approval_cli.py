@@ -134,7 +134,8 @@ def _decide(client: SwarmClient, verb: str, ref: str, *, note: str, yes: bool) -
         if typed != snapshot_id[:_CONFIRM_CHARS]:
             _complain(f"{verb}: the id did not match; nothing was decided")
             return 1
-    decision = client.decide_approval(snapshot_id, verb, note=note)
+    # the approval rests on the base of the review shown above, whatever changes meanwhile
+    decision = client.decide_approval(snapshot_id, verb, note=note, base_id=review.base_id)
     _say(f"\nSnapshot {decision.snapshot_id[:12]} {decision.decision} by {decision.approver}.")
     if decision.decision == "approved":
         _say("The engine can now start on it: the agent syncs again (or activates it).")

@@ -203,20 +203,24 @@ class Approvals:
     # ------------------------------------------------------------------ decide
 
     def decide(self, rec: SnapshotRecord, decision: str, *, approver: str, note: str = "",
-               confirm: str) -> ApprovalDecisionPublic:
+               confirm: str, base: str | None = None) -> ApprovalDecisionPublic:
         """Record `decision` on `rec`, if its current state allows it (else 409).
 
         A revocation or denial also reopens every approval resting on `rec`
         (`reopened_by`); the caller stops an engine running any of them.
         """
         row, _ = self.decide_cascading(rec, decision, approver=approver, note=note,
-                                       confirm=confirm)
+                                       confirm=confirm, base=base)
         return row
 
     def decide_cascading(self, rec: SnapshotRecord, decision: str, *, approver: str,
-                         note: str = "", confirm: str
+                         note: str = "", confirm: str, base: str | None = None
                          ) -> tuple[ApprovalDecisionPublic, list[str]]:
-        """`decide`, and the ids of the approvals it sent back to pending."""
+        """`decide`, and the ids of the approvals it sent back to pending.
+
+        `base` is the base of the review the approver read; the approval rests on it
+        (it must be the server's code or runnable now). Default: `self.base()`.
+        """
         if confirm != rec.id:
             raise BadRequest(f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
                              "send the full snapshot id of what you reviewed")
@@ -230,7 +234,10 @@ class Approvals:
                     + f"; only a {allowed} snapshot can be {decision}",
                     "revoke an approved snapshot; denied and revoked ones are final"
                     if decision != "revoked" else "only an approved snapshot can be revoked")
-            base_id, _ = self.base()
+            # only an approval rests on a base; a revocation or denial must never be
+            # held up by the base its page showed
+            base_id = self._checked_base(base)[0] if base is not None and \
+                decision == "approved" else self.base()[0]
             now = time.time()
             row = self.ledger.add_approval(ApprovalRecord(
                 snapshot_id=rec.id, decision=decision, approver=approver, at=now,

@@ -84,7 +84,7 @@ def review(
 def approve(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
             approver: ApproverAuth) -> ApprovalDecisionPublic:
     return decide(ctx, _exact(ctx, snapshot_ref), "approved", approver=approver,
-                  note=body.note, confirm=body.snapshot_id)
+                  note=body.note, confirm=body.snapshot_id, base=body.base_id)
 
 
 @router.post("/{snapshot_ref}/deny", responses=_ERRORS, summary="Refuse it: it never runs")
@@ -103,12 +103,13 @@ def revoke(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
 
 
 def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: str,
-           note: str, confirm: str) -> ApprovalDecisionPublic:
+           note: str, confirm: str, base: str | None = None) -> ApprovalDecisionPublic:
     """Record a decision (the API and the console share this); a refusal is audited too."""
     action = {"approved": "approve", "denied": "deny", "revoked": "revoke"}[decision]
     try:
         result, reopened = ctx.approvals.decide_cascading(rec, decision, approver=approver,
-                                                          note=note, confirm=confirm)
+                                                          note=note, confirm=confirm,
+                                                          base=base)
     except ApiError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail

@@ -248,6 +248,7 @@ def decide_form(
     confirm: Annotated[str, Form(max_length=64)] = "",
     note: Annotated[str, Form(max_length=2000)] = "",
     snapshot_id: Annotated[str, Form(max_length=64)] = "",
+    base_id: Annotated[str | None, Form(max_length=64)] = None,
 ) -> Response:
     _require_csrf(session, csrf)
     if not session.can_approve:
@@ -269,7 +270,8 @@ def decide_form(
         return _redirect(f"/ui/snapshots/{rec.id}")
     decision = {"approve": "approved", "deny": "denied", "revoke": "revoked"}[action]
     try:
-        decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id)
+        decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id,
+               base=base_id or None)
     except ApiError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail

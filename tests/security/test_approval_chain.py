@@ -165,3 +165,27 @@ def test_gc_never_removes_a_snapshot_pending_review(srv: InProc) -> None:
     assert srv.decide(older, "deny").status_code == 200
     r = srv.call("POST", "/code/gc", params={"keep": 1})
     assert older in r.json()["removed_snapshots"] and newer in r.json()["kept"]
+
+
+def test_an_approval_rests_on_the_base_of_the_review_that_was_read(srv: InProc) -> None:
+    a, b = _chain(srv, 2)
+    c = srv.upload(tiny_ajet("c"))
+    # the approver read C against A (an approved snapshot, not the active B)
+    review = srv.call("GET", f"/approvals/{c}", token=APPROVER_TOKEN, params={"base": a}).json()
+    assert review["base_id"] == a
+    r = srv.call("POST", f"/approvals/{c}/approve", token=APPROVER_TOKEN,
+                 json={"snapshot_id": c, "note": "", "base_id": review["base_id"]})
+    assert r.status_code == 200 and r.json()["base_id"] == a
+    # revoking A reaches C directly, B too
+    assert srv.decide(a, "revoke").status_code == 200
+    assert srv.state(c)["state"] == "pending" and srv.state(b)["state"] == "pending"
+    # a base that is not approved is refused for an approval, never for a revocation
+    r = srv.call("POST", f"/approvals/{c}/approve", token=APPROVER_TOKEN,
+                 json={"snapshot_id": c, "note": "", "base_id": b})
+    assert r.status_code == 400 and "not approved" in r.text
+    assert srv.state(c)["state"] == "pending"
+    assert srv.call("POST", f"/approvals/{c}/approve", token=APPROVER_TOKEN,
+                    json={"snapshot_id": c, "base_id": "server"}).json()["base_id"] == "server"
+    r = srv.call("POST", f"/approvals/{c}/revoke", token=APPROVER_TOKEN,
+                 json={"snapshot_id": c, "note": "", "base_id": b})
+    assert r.status_code == 200 and srv.state(c)["state"] == "revoked"
