@@ -97,19 +97,24 @@ def _source(scope: Any) -> str:
 def _foreign_origin(scope: Any) -> str | None:
     """The other site a sign-in form came from, or None when it came from this console.
 
-    A browser names the page a form was sent from (`Origin`, or `Sec-Fetch-Site`);
-    without this check another site could sign a visitor in with a token of its own
-    (login CSRF). A client that sends neither is no browser, and is let through.
+    A browser says where a form was sent from (`Sec-Fetch-Site`, else `Origin`); without
+    this check another site could sign a visitor in with a token of its own (login
+    CSRF). A page cannot make the browser lie in either, nor add `X-Forwarded-Host` to a
+    form post, so behind a reverse proxy the origin may match that header or `Host`
+    (the scheme is not compared: TLS may end at the proxy). A client that sends neither
+    header is no browser, and is let through.
     """
     headers = Headers(scope=scope)
-    origin = headers.get("origin")
-    if origin is not None:
-        own = f"{scope.get('scheme', 'http')}://{headers.get('host', '')}"
-        return None if origin.lower() == own.lower() else origin
     site = headers.get("sec-fetch-site")
-    if site is not None and site.lower() not in ("same-origin", "none"):
-        return f"Sec-Fetch-Site: {site}"
-    return None
+    if site is not None:
+        return None if site.lower() in ("same-origin", "none") else f"Sec-Fetch-Site: {site}"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    netloc = origin.partition("://")[2].rstrip("/").lower()
+    ours = {h.strip().lower() for h in (headers.get("host", ""),
+                                        *headers.get("x-forwarded-host", "").split(",")) if h}
+    return None if netloc in ours else origin
 
 
 class _TooManySignIns(ApiError):

@@ -146,6 +146,14 @@ def test_sign_in_from_this_console_works(srv: InProc) -> None:
     assert r.status_code == 303 and "ajet_console" in r.headers["set-cookie"]
     bad = srv.sign_in(APPROVER_TOKEN, origin="https://evil.example")
     assert bad.status_code == 403 and "set-cookie" not in bad.headers
+    # behind a TLS proxy: the browser's origin is the proxy's, which says so
+    proxied = srv.sign_in(APPROVER_TOKEN, origin="https://cluster.example",
+                          **{"x-forwarded-host": "cluster.example"})
+    assert proxied.status_code == 303
+    assert srv.sign_in(APPROVER_TOKEN, origin="https://testserver").status_code == 303
+    # a browser's own word wins: same-site is not same-origin
+    assert srv.sign_in(APPROVER_TOKEN, origin="http://testserver",
+                       **{"sec-fetch-site": "same-site"}).status_code == 403
 
 
 def test_sign_in_is_throttled_and_failures_are_audited(tmp_path: Path) -> None:
