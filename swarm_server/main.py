@@ -23,7 +23,7 @@ from swarm_server.engine import EngineController
 from swarm_server.engine_user import resolve_engine_user
 from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
-from swarm_server.errors import install_error_handlers
+from swarm_server.errors import StartupRefused, install_error_handlers
 from swarm_server.ledger import Ledger, LedgerUnusable, check_ledger_file, set_ledger_aside
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
@@ -45,7 +45,11 @@ def build_context(settings: Settings) -> ServerContext:
     # umask 077 before the first file is created
     prepare_workdir(settings.workdir, shared=engine_user is not None)
     if engine_user is not None:  # after the tightening: what the engine must reach
-        engine_user.share_workdir(settings)
+        try:
+            engine_user.share_workdir(settings)
+        except OSError as exc:
+            raise StartupRefused(f"--engine-user {engine_user.name}: cannot share "
+                                 f"{exc.filename} with its group: {exc.strerror}") from exc
         engine_user.check(settings)
     ledger = Ledger(open_ledger_path(settings))
     snapshots = SnapshotStore(settings, ledger)
