@@ -49,6 +49,7 @@ from ajet.protocol import SERVER_CODE, FileEntry, GCResult, Provenance, Snapshot
 from swarm_server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
 from swarm_server.ledger import Ledger, SnapshotRecord
 from swarm_server.settings import Settings
+from swarm_server.supervisor import child_env
 from swarm_server.uploads import StagedBlob, check_free_disk
 from swarm_server.workdir import owner_only
 
@@ -497,7 +498,8 @@ class SnapshotStore:
         listing = "".join(f"{root / e.path}\n" for e, _ in todo)
         try:
             proc = subprocess.run(cmd, input=listing, capture_output=True, text=True,
-                                  errors="replace", timeout=_COMPILE_TIMEOUT_S)
+                                  errors="replace", timeout=_COMPILE_TIMEOUT_S,
+                                  env=child_env(os.environ))  # no token, like every child
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("could not precompile %s with %s: %s", root,
                         self.settings.engine_python, exc)
@@ -520,7 +522,8 @@ class SnapshotStore:
                 proc = subprocess.run(
                     [self.settings.engine_python, "-I", "-c",
                      "import sys; print(sys.implementation.cache_tag or '')"],
-                    capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+                    capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                    env=child_env(os.environ))
                 self._tag = proc.stdout.strip() if proc.returncode == 0 else ""
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log.warning("cannot run the engine interpreter %s: %s",
