@@ -57,7 +57,14 @@ from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
-from swarm_server.run_files import read_log_lines, read_metrics, redact_secrets, summarize
+from swarm_server.run_files import (
+    read_log_lines,
+    read_metrics,
+    read_trackers,
+    redact_secrets,
+    summarize,
+)
+from swarm_server.run_info import write_run_info
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -235,6 +242,7 @@ class EngineController:
             # engine-written text a caller reads: a token in it is redacted
             ajet_file=redact_secrets(report.ajet_file, self.settings.secret_values())
             if report else None,
+            trackers=read_trackers(run.run_dir) if run else {},
             has_config=bool(yaml_text),
             experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
             last_error=last_error,
@@ -483,6 +491,9 @@ class EngineController:
         try:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
+            write_run_info(run.run_dir, snapshot=snapshot,
+                           approval=self.approvals.state(snapshot.id if snapshot else SERVER_CODE),
+                           mlflow_tracking_uri=self.settings.mlflow_uri())
             run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
             log_path = run.run_dir / "engine.log"
             if base is not None:
