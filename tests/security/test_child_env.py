@@ -11,6 +11,9 @@ environment and the approvers' tokens file, then exits without a result.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from swarm_server.run_files import REDACTED, read_log_lines, redact_secrets
 from swarm_server.settings import Settings
 from swarm_server.supervisor import engine_env, snapshot_env
 from tests.security.inproc import BOB_TOKEN, inproc_server
-from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, WORKER_TOKEN
+from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, PROJECT_ROOT, WORKER_TOKEN
 
 SERVER_ENV = {
     "PATH": "/usr/bin", "HOME": "/home/srv", "LC_ALL": "C.UTF-8", "LANG": "C.UTF-8",
@@ -164,3 +167,14 @@ def test_short_tokens_are_refused_at_start(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="shorter than 16 characters"):
             Settings(workdir=tmp_path, **kw)  # type: ignore[arg-type]
     assert Settings(workdir=tmp_path, token="x" * 16).token is not None
+
+
+def test_the_cli_refuses_a_server_secret_in_engine_env(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
+    started = subprocess.run(
+        [sys.executable, "-m", "swarm_server", "start", "--swarm-port", "0", "--workdir",
+         str(tmp_path), "--engine-env", "WANDB_API_KEY,AJET_SWARM_APPROVER_TOKENS"],
+        env=env, capture_output=True, text=True, timeout=60, cwd=PROJECT_ROOT)
+    assert started.returncode == 2, started.stderr[-2000:]
+    assert "AJET_SWARM_APPROVER_TOKENS is the server's or the bridge's own setting" \
+        in started.stderr
