@@ -624,6 +624,8 @@ class EngineController:
     def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
                 ) -> None:
         """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
+        if self.engine_user is not None and not run.finished and run.run_dir.is_dir():
+            self.engine_user.seal_run_dir(run.run_dir)  # its processes are gone by now
         points = read_metrics(run.run_dir / "metrics.jsonl")
         tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
                                     redact=self.settings.secret_values())

@@ -11,7 +11,9 @@ that user (`popen_kwargs`: `user`, `group`, no supplementary groups, umask 027),
 - what the engine must read or write is shared through the engine user's primary group
   (`share_workdir`, at start and for every new snapshot and run): the work directory and
   `ajet_temp/` can be entered (0710 / 0750, never listed beyond that), snapshot folders are
-  0750 / 0640, run folders and `models/` 0770; blobs, uploads in progress and the bytecode
+  0750 / 0640, the folder of the run in progress and `models/` 0770; a finished run's
+  folder goes back to the server's user, read-only to the group (`seal_run_dir`), so a
+  later engine cannot rewrite its record; blobs, uploads in progress and the bytecode
   cache stay the server's alone;
 - at start `check` runs the engine's interpreter as that user, reads a file placed where
   snapshots live and writes one where runs live, and refuses to start otherwise, with the
@@ -102,6 +104,22 @@ class EngineUser:
             if path.is_file() and not path.is_symlink():
                 self.share(path, 0o660 if path.name == "engine.log" else 0o640)
 
+    def seal_run_dir(self, run_dir: Path) -> None:
+        """A finished run's folder back to the server's user, read-only to the group:
+        the engines of later runs must not rewrite the record of this one."""
+        me = os.geteuid()
+        for here, dirs, files in os.walk(run_dir):
+            for path, mode in ([(Path(here), 0o750)] + [(Path(here) / f, 0o640) for f in files]):
+                try:
+                    if path.is_symlink():
+                        path.unlink()  # the engine's, pointing anywhere: not part of a record
+                        continue
+                    os.chown(path, me, self.gid, follow_symlinks=False)
+                    os.chmod(path, mode)
+                except OSError as exc:
+                    log.warning("could not seal %s after its run: %s", path, exc)
+            dirs[:] = [d for d in dirs if not (Path(here) / d).is_symlink()]
+
     def share_workdir(self, settings: Settings) -> None:
         """The folders the engine needs, at start (after the start-up tightening)."""
         workdir = settings.workdir
@@ -116,7 +134,7 @@ class EngineUser:
         self.share(settings.runs_dir, 0o770)
         for run_dir in settings.runs_dir.iterdir():
             if run_dir.is_dir() and not run_dir.is_symlink():
-                self.share_run_dir(run_dir)
+                self.share(run_dir, 0o750)  # a finished run stays read-only to the engine
         models = workdir / "models"
         models.mkdir(exist_ok=True)
         self.share_tree(models, dir_mode=0o770, file_mode=0o660)

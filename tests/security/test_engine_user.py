@@ -176,6 +176,11 @@ def test_the_engine_runs_as_its_user_and_cannot_reach_the_server(
                              f"DENIED {swarm / 'ajet_temp' / '.blobs'}"], probe.stdout
         assert lines[4] == f"READ {run_dir / 'job.yaml'}", probe.stdout
         srv.call("POST", "/stop_engine", json={})
+        # a finished run is the server's again: a later engine cannot rewrite its record
+        assert run_dir.stat().st_uid == 0 and stat.S_IMODE(run_dir.stat().st_mode) == 0o750
+        tamper = _as_user("import sys; open(sys.argv[1], 'a').write('forged')",
+                          str(run_dir / "engine.log"))
+        assert tamper.returncode != 0 and "Permission" in tamper.stderr
         # approved synced code runs as the engine user too, from its shared snapshot
         full = {f"ajet/{p.relative_to(PROJECT_ROOT / 'ajet')}": p.read_bytes()
                 for p in (PROJECT_ROOT / "ajet").rglob("*")
