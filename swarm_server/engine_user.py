@@ -131,10 +131,9 @@ class EngineUser:
             if entry.is_dir() and not entry.name.startswith("."):  # blobs, .pyc stay private
                 self.share_snapshot(entry)
         settings.runs_dir.mkdir(parents=True, exist_ok=True)
+        # the runs in it keep their modes: finished ones were sealed, and an engine an
+        # earlier server left running still writes into its own
         self.share(settings.runs_dir, 0o770)
-        for run_dir in settings.runs_dir.iterdir():
-            if run_dir.is_dir() and not run_dir.is_symlink():
-                self.share(run_dir, 0o750)  # a finished run stays read-only to the engine
         models = workdir / "models"
         models.mkdir(exist_ok=True)
         self.share_tree(models, dir_mode=0o770, file_mode=0o660)
