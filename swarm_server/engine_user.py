@@ -15,6 +15,9 @@ that user (`popen_kwargs`: `user`, `group`, no supplementary groups, umask 027),
   folder goes back to the server's user, read-only to the group (`seal_run_dir`), so a
   later engine cannot rewrite its record; blobs, uploads in progress and the bytecode
   cache stay the server's alone;
+- when a run ends, every process of that user but the warm standby is stopped
+  (`stop_strays`: a daemon the engine started outside its process group does not
+  outlive its run, nor a revocation), so the user must be a dedicated one per server;
 - at start `check` runs the engine's interpreter as that user, reads a file placed where
   snapshots live and writes one where runs live, and refuses to start otherwise, with the
   reason (an interpreter under a 0700 home directory, such as root's pyenv, is the usual
@@ -35,6 +38,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from swarm_server.errors import StartupRefused
 from swarm_server.settings import Settings
@@ -104,6 +109,26 @@ class EngineUser:
             self.share_tree(run_dir, dir_mode=0o750, file_mode=0o640, uid=os.geteuid())
         except OSError as exc:
             log.warning("could not seal %s after its run: %s", run_dir, exc)
+
+    def stop_strays(self, *, keep: set[int]) -> list[int]:
+        """SIGKILL every process of this user but `keep` (the warm standby): what the
+        engine started outside its process group (a daemon, `setsid`) must not outlive
+        its run, nor a revocation. One engine user per server: this stops all of its."""
+        stopped = []
+        for proc in psutil.process_iter(["pid", "uids"]):
+            uids = proc.info.get("uids")
+            if uids is None or proc.info["pid"] in keep:
+                continue
+            if self.uid in (uids.real, uids.effective):
+                try:
+                    proc.kill()
+                    stopped.append(proc.info["pid"])
+                except psutil.Error:
+                    continue
+        if stopped:
+            log.warning("stopped %d process(es) of engine user %s left after its run: %s",
+                        len(stopped), self.name, stopped)
+        return stopped
 
     def share_workdir(self, settings: Settings) -> None:
         """The folders the engine needs, at start (after the start-up tightening)."""

@@ -175,7 +175,12 @@ def test_the_engine_runs_as_its_user_and_cannot_reach_the_server(
                              f"DENIED /proc/{os.getpid()}/environ",
                              f"DENIED {swarm / 'ajet_temp' / '.blobs'}"], probe.stdout
         assert lines[4] == f"READ {run_dir / 'job.yaml'}", probe.stdout
+        # a process the engine started outside its group (a daemon) dies with the run
+        entry = pwd.getpwnam(USER)
+        stray = subprocess.Popen(["/bin/sleep", "600"], user=entry.pw_uid, group=entry.pw_gid,
+                                 extra_groups=[], start_new_session=True)
         srv.call("POST", "/stop_engine", json={})
+        assert stray.wait(timeout=10) == -9
         # a finished run is the server's again: a later engine cannot rewrite its record
         assert run_dir.stat().st_uid == 0 and stat.S_IMODE(run_dir.stat().st_mode) == 0o750
         tamper = _as_user("import sys; open(sys.argv[1], 'a').write('forged')",
