@@ -326,13 +326,16 @@ class SwarmClient:
         return self._call("GET", f"/approvals/{snapshot_ref}", params=params, model=ReviewPage,
                           timeout=max(self._timeout, 120.0))
 
-    def decide_approval(self, snapshot_id: str, decision: str, *, note: str = ""
-                        ) -> ApprovalDecisionPublic:
-        """`decision` is approve, deny or revoke; `snapshot_id` is the full id (an approver token)."""
+    def decide_approval(self, snapshot_id: str, decision: str, *, note: str = "",
+                        base_id: str | None = None) -> ApprovalDecisionPublic:
+        """`decision` is approve, deny or revoke; `snapshot_id` is the full id (an approver
+        token); `base_id` the base of the review that was read (`ReviewPage.base_id`)."""
         if decision not in ("approve", "deny", "revoke"):
             raise ValueError(f"decision {decision!r} is not approve, deny or revoke")
-        return self._call("POST", f"/approvals/{snapshot_id}/{decision}",
-                          json={"snapshot_id": snapshot_id, "note": note},
+        body: dict[str, str] = {"snapshot_id": snapshot_id, "note": note}
+        if base_id is not None:
+            body["base_id"] = base_id
+        return self._call("POST", f"/approvals/{snapshot_id}/{decision}", json=body,
                           model=ApprovalDecisionPublic, timeout=max(self._timeout, 120.0))
 
     def gc_snapshots(self, *, keep: int | None = None) -> GCResult:

@@ -406,7 +406,9 @@ class PendingSnapshot(BaseModel):
 
 class ApprovalDecisionPublic(BaseModel):
     snapshot_id: str
-    decision: Literal["approved", "denied", "revoked"]
+    decision: Literal["approved", "denied", "revoked", "reopened"] = Field(
+        description="reopened: sent back to pending because the approval its review "
+                    "rested on was revoked or denied (the note names it)")
     approver: str
     at: float
     note: str = ""
@@ -457,6 +459,10 @@ class ApprovalDecisionRequest(_Model):
     snapshot_id: str = Field(pattern=r"^[0-9a-f]{64}$",
                              description="The full snapshot id, confirming what is decided")
     note: str = Field(default="", max_length=2000, description="Why (kept in the ledger)")
+    base_id: str | None = Field(
+        default=None, pattern=r"^([0-9a-f]{64}|server)$",
+        description="The base of the review that was read (`ReviewPage.base_id`); the "
+                    "approval rests on it. Default: the review's default base now")
 
 
 # ---------------------------------------------------------------------------- runs

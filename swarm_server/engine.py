@@ -59,8 +59,15 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
+from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
-from swarm_server.run_files import read_log_lines, read_metrics, read_trackers, summarize
+from swarm_server.run_files import (
+    read_log_lines,
+    read_metrics,
+    read_trackers,
+    redact_secrets,
+    summarize,
+)
 from swarm_server.run_info import write_run_info
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
@@ -74,7 +81,7 @@ from swarm_server.supervisor import (
     SocketProbe,
     Spawner,
     SpawnSpec,
-    snapshot_env,
+    engine_env,
     stop_group,
 )
 
@@ -170,18 +177,21 @@ class EngineController:
 
     def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
                  spawner: Spawner | None = None, probe: ProbeFactory | None = None,
-                 approvals: Approvals | None = None) -> None:
+                 approvals: Approvals | None = None,
+                 engine_user: EngineUser | None = None) -> None:
         self.settings = settings
+        self.engine_user = engine_user  # --engine-user: every engine process runs as it
         self.ledger = ledger
         self.snapshots = snapshots
         self.approvals = approvals or Approvals(settings, ledger, snapshots,
                                                 ServerCode(_installed_ajet_dir()))
-        self.spawner: Spawner = spawner or PosixSpawner()
+        self.spawner: Spawner = spawner or PosixSpawner(as_user=engine_user)
         self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
         # The warm standby for the next start (real processes only). Built even with
         # settings.warm_standby off, so that recover() stops one an earlier server left.
         self._standby: StandbyKeeper | None = (
-            StandbyKeeper(settings, ledger, self.spawner) if spawner is None else None)
+            StandbyKeeper(settings, ledger, self.spawner, engine_user=engine_user)
+            if spawner is None else None)
         self._lock = threading.RLock()  # guards the fields below; held only briefly
         self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
         self._state = EngineState.OFFLINE
@@ -237,7 +247,9 @@ class EngineController:
             snapshot_path=snapshot.path if snapshot else None,
             pid=pid,
             step=report.step if report else None,
-            ajet_file=report.ajet_file if report else None,
+            # engine-written text a caller reads: a token in it is redacted
+            ajet_file=redact_secrets(report.ajet_file, self.settings.secret_values())
+            if report else None,
             trackers=read_trackers(run.run_dir) if run else {},
             has_config=bool(yaml_text),
             experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
@@ -304,7 +316,8 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
-                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
+                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
+                                            engine_user=self.engine_user)
             except ApiError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -498,10 +511,15 @@ class EngineController:
                 log.info("%s", line)
                 with open(log_path, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
+            if self.engine_user is not None:  # the engine writes there as its own user
+                self.engine_user.share_run_dir(run.run_dir)
+                if run.socket_tmpdir is not None:
+                    self.engine_user.share(run.socket_tmpdir, 0o770)
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),
-                cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
+                cwd=run.run_dir, env=engine_env(self.settings, base, user=self.engine_user),
+                log_path=log_path,
             )
             handle = self._standby.take(spec) if self._standby is not None else None
             warm = handle is not None
@@ -629,8 +647,15 @@ class EngineController:
     def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
                 ) -> None:
         """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
+        if self.engine_user is not None and not run.finished:
+            # what escaped the process group goes too, before the folder is sealed
+            standby = self._standby.pid if self._standby is not None else None
+            self.engine_user.stop_strays(keep={standby} if standby else set())
+            if run.run_dir.is_dir():
+                self.engine_user.seal_run_dir(run.run_dir)
         points = read_metrics(run.run_dir / "metrics.jsonl")
-        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES)
+        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
+                                    redact=self.settings.secret_values())
         with self._lock:
             if run.finished:
                 return

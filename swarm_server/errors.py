@@ -12,6 +12,9 @@
     ├── Unprocessable       422  (validation: `detail` names the fields)
     └── HeadersTooLarge     431
 
+`StartupRefused` is no HTTP error: the server refuses to start (an unreadable ledger, an
+engine user that cannot run the engine); `ajet-swarm start` prints it and exits 2.
+
 `EarlyRefusal` carries an `ApiError` out of an ASGI `receive` (`swarm_server.limits`):
 FastAPI passes an HTTPException met while reading a body through unchanged and turns
 anything else into a generic 400, so the refusal travels as one and is rendered here
@@ -49,6 +52,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RequestTimeout",
+    "StartupRefused",
     "Unauthorized",
     "Unprocessable",
     "anthropic_error_body",
@@ -167,6 +171,10 @@ class Unprocessable(ApiError):
 
 class HeadersTooLarge(ApiError):
     status = 431
+
+
+class StartupRefused(Exception):
+    """The server cannot start safely; the message says why and what to do."""
 
 
 class EarlyRefusal(StarletteHTTPException):

@@ -17,19 +17,21 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import regex
 
 __all__ = [
+    "REDACTED",
     "SUMMARY_FIELDS",
     "LogPattern",
     "LogSearchTimeout",
     "compile_log_regex",
     "downsample",
     "read_log_lines",
+    "redact_secrets",
     "read_metrics",
     "read_samples",
     "sample_steps",
@@ -156,10 +158,30 @@ def compile_log_regex(pattern: str) -> LogPattern[str]:
         raise ValueError(str(exc)) from exc
 
 
+#: What a configured secret is replaced with in output that reaches a caller.
+REDACTED = "[redacted]"
+
+
+def redact_secrets(text: str, secrets: Sequence[str]) -> str:
+    """`text` with every occurrence of each of `secrets` (longest first) replaced.
+
+    A defence in depth: children never get a token in their environment, but a token
+    that reached one anyway must not travel on to whoever reads its output.
+    """
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
 def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
                    pattern: LogPattern[str] | None = None,
-                   budget_s: float = 1.0) -> tuple[list[str], int, bool]:
+                   budget_s: float = 1.0, redact: Sequence[str] = ()
+                   ) -> tuple[list[str], int, bool]:
     """The last `tail` lines (after filtering by substring `grep` or regex `pattern`).
+
+    Every string of `redact` (the server's tokens) is replaced before filtering, so a
+    search cannot tell whether a token was in the log either.
 
     Returns (lines, total matching lines scanned, truncated). `truncated` is True when
     older matching lines exist than were returned, or the file was too big to scan whole.
@@ -177,7 +199,7 @@ def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
     scanned_all = start == 0
     if not scanned_all and lines:
         lines = lines[1:]  # the first line was cut by the seek
-    lines = [line[:MAX_LOG_LINE_CHARS] for line in lines]
+    lines = [redact_secrets(line, redact)[:MAX_LOG_LINE_CHARS] for line in lines]
     if grep is not None:
         lines = [line for line in lines if grep in line]
     if pattern is not None:

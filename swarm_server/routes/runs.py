@@ -166,7 +166,8 @@ def get_logs(
     try:
         lines, total, truncated = read_log_lines(
             ctx.engine.run_dir(rec.id) / "engine.log", tail=tail,
-            grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget)
+            grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget,
+            redact=ctx.settings.secret_values())
     except LogSearchTimeout as exc:
         raise BadRequest(f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
                          "use a simpler pattern (no nested or overlapping repetition), "
