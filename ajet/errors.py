@@ -27,7 +27,9 @@ class a caller catches. The tree:
 
 The body of every error is `{"detail", "hint"}`, plus `param` (the request field at
 fault) where one is named; the OpenAI-compatible routes (`/v1/*`) add OpenAI's
-`{"error": {"message", "type", "param", "code"}}` (`openai_error_body`). `retry_after_s`
+`{"error": {"message", "type", "param", "code"}}` (`openai_error_body`), Anthropic's
+Messages routes answer `{"type": "error", "error": {"type", "message"}}` next to them
+(`anthropic_error_body`). `retry_after_s`
 becomes a `Retry-After` header. `hint` always says what to call next.
 """
 
@@ -53,6 +55,7 @@ __all__ = [
     "SwarmStateError",
     "SwarmTimeout",
     "SwarmValidationError",
+    "anthropic_error_body",
     "error_body",
     "error_for_status",
     "error_headers",
@@ -197,9 +200,13 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                  422: "invalid_request_error", 431: "invalid_request_error"}
 
 
-def error_body(exc: SwarmHTTPError, *, openai: bool = False) -> dict[str, Any]:
+def error_body(exc: SwarmHTTPError, *, openai: bool = False, anthropic: bool = False
+               ) -> dict[str, Any]:
     """The JSON body for `exc`: `{"detail", "hint"}`, `param` when set; with `openai`,
-    OpenAI's `error` object as well (the `/v1/*` routes)."""
+    OpenAI's `error` object as well (the `/v1/*` routes); with `anthropic`, Anthropic's
+    (the Messages routes)."""
+    if anthropic:
+        return anthropic_error_body(exc.status, exc.detail, exc.hint, param=exc.param)
     if openai:
         return openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param)
     body: dict[str, Any] = {"detail": exc.detail, "hint": exc.hint}
@@ -221,6 +228,23 @@ def openai_error_body(status: int, detail: Any, hint: str = "", *, param: str | 
                       "param": param, "code": status}}
 
 
+#: Anthropic's `error.type` per status (its SDK raises by status; the type is for logs).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, detail: Any, hint: str = "", *,
+                         param: str | None = None) -> dict[str, Any]:
+    """`{"detail", "hint", "param"}` plus Anthropic's error, for the Messages routes."""
+    text = detail if isinstance(detail, str) else _detail_text(detail)
+    return {"type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                   else "invalid_request_error"),
+                      "message": f"{text} (hint: {hint})" if hint else text},
+            "detail": detail, "hint": hint, "param": param}
+
+
 def _detail_text(detail: Any) -> str:
     # a validation detail is a list of {"loc", "msg"}: name each field
     if isinstance(detail, list):
@@ -238,7 +262,8 @@ def error_headers(exc: SwarmHTTPError) -> dict[str, str] | None:
     return {**(exc.headers or {}), "Retry-After": str(max(1, round(exc.retry_after_s)))}
 
 
-def error_response(exc: SwarmHTTPError, *, openai: bool = False) -> JSONResponse:
+def error_response(exc: SwarmHTTPError, *, openai: bool = False, anthropic: bool = False
+                   ) -> JSONResponse:
     """The response for `exc`, on the swarm server and in the engine alike.
 
     Imports starlette when called: only the server and the engine (which both have it)
@@ -246,5 +271,5 @@ def error_response(exc: SwarmHTTPError, *, openai: bool = False) -> JSONResponse
     """
     from starlette.responses import JSONResponse
 
-    return JSONResponse(error_body(exc, openai=openai), status_code=exc.status,
-                        headers=error_headers(exc))
+    return JSONResponse(error_body(exc, openai=openai, anthropic=anthropic),
+                        status_code=exc.status, headers=error_headers(exc))

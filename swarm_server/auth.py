@@ -31,9 +31,10 @@ from ajet.errors import SwarmAuthError
 from swarm_server.settings import Settings
 
 __all__ = ["APPROVER_PREFIX", "CREDENTIAL_SCOPE", "EPISODE_SCOPE", "ApproverRequirement",
-           "ControlRequirement", "EpisodeKeyRequirement", "ReaderRequirement", "Requirement",
-           "ReviewerRequirement", "Role", "approver_of", "authenticate", "bearer_token",
-           "require_approver", "require_control", "require_reader", "require_reviewer", "role_of"]
+           "ControlRequirement", "EpisodeKeyRequirement", "IndexRequirement",
+           "ReaderRequirement", "Requirement", "ReviewerRequirement", "Role", "approver_of",
+           "authenticate", "bearer_token", "episode_key", "require_approver",
+           "require_control", "require_reader", "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
@@ -55,6 +56,13 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def episode_key(headers: Headers) -> str | None:
+    """The episode key of a `/v1/*` request: `Authorization: Bearer` (OpenAI clients, the
+    Anthropic SDK's `auth_token`), else `x-api-key` (the Anthropic SDK's `api_key`,
+    `ANTHROPIC_API_KEY` harnesses)."""
+    return bearer_token(headers.get("authorization")) or headers.get("x-api-key") or None
 
 
 def _matches(given: str, expected: str) -> bool:
@@ -232,6 +240,23 @@ class ReaderRequirement(Requirement):
 
 
 @dataclass(frozen=True)
+class IndexRequirement(Requirement):
+    """The server's index (`GET /`): a reader token, or the key of a live episode, because
+    harnesses given only a base URL and an API key (Claude Code) probe the root first."""
+
+    access: str = "reader or episode key"
+
+    def check(self, state: State, headers: Headers) -> str:
+        try:
+            return require_reader(state.ctx.settings, _token(headers))
+        except SwarmAuthError as exc:
+            if exc.status != 401:
+                raise
+            state.ctx.episodes.check_key(episode_key(headers))
+            return "episode"
+
+
+@dataclass(frozen=True)
 class ApproverRequirement(Requirement):
     """Approve, deny, revoke: a named approver token only; `check` returns the name."""
 
@@ -253,8 +278,9 @@ class ReviewerRequirement(Requirement):
 
 @dataclass(frozen=True)
 class EpisodeKeyRequirement(Requirement):
-    """The OpenAI-compatible routes (`/v1/*`): the signed key of a live episode, sent as the
-    OpenAI API key (`EpisodeGateway.check_key`); `check` returns the episode id.
+    """The OpenAI- and Anthropic-compatible routes (`/v1/*`): the signed key of a live
+    episode, sent as the API key (`episode_key`, `EpisodeGateway.check_key`); `check`
+    returns the episode id.
 
     The first gate verifies it before routing, for every `/v1/` path, and leaves the
     episode id under `EPISODE_SCOPE`; `check_request` takes it from there.
@@ -263,7 +289,7 @@ class EpisodeKeyRequirement(Requirement):
     access: str = "episode key"
 
     def check(self, state: State, headers: Headers) -> str:
-        episode: str = state.ctx.episodes.check_key(_token(headers))
+        episode: str = state.ctx.episodes.check_key(episode_key(headers))
         return episode
 
     def check_request(self, scope: Scope, state: State, headers: Headers) -> str:

@@ -26,7 +26,7 @@ The lane does the same work directly:
 - it parses the body as FastAPI does (JSON only under a JSON content type, the row's
   pydantic type, the same 422 body), calls the row's handler and renders the result, an
   error or a refusal of the gate as the app's error handlers do (`ajet.errors.error_response`,
-  OpenAI-shaped under `/v1/`).
+  OpenAI-shaped under `/v1/`, Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
 which serves the same rows through the endpoints `plane_router` made. The lane sits
@@ -56,7 +56,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swarm_server.auth import Requirement
 from ajet.errors import SwarmHTTPError, error_response
-from swarm_server.errors import EarlyRefusal, validation_error_response
+from swarm_server.errors import EarlyRefusal, is_anthropic_path, validation_error_response
 from swarm_server.limits import EPISODE_PREFIX, BodyLimit
 
 if TYPE_CHECKING:
@@ -102,19 +102,25 @@ class PlaneRoute:
         return self.path.startswith(EPISODE_PREFIX)
 
     @property
+    def anthropic(self) -> bool:
+        """Errors in Anthropic's shape instead (the Messages routes)."""
+        return is_anthropic_path(self.path)
+
+    @property
     def on_lane(self) -> bool:
         """Served by `EpisodeLane`: a fixed path (a path parameter needs FastAPI's router)."""
         return "{" not in self.path
 
 
 async def serve_row(row: PlaneRoute, ctx: ServerContext, request: Request, body: Any) -> Any:
-    """Call the row's handler; on `/v1/*`, an error becomes its OpenAI-shaped response."""
+    """Call the row's handler; on `/v1/*`, an error becomes its OpenAI-shaped response
+    (Anthropic-shaped on the Messages routes)."""
     if not row.openai:
         return await row.handler(ctx, request, body)
     try:
         return await row.handler(ctx, request, body)
     except SwarmHTTPError as exc:
-        return error_response(exc, openai=True)
+        return error_response(exc, openai=True, anthropic=row.anthropic)
 
 
 def plane_router(rows: Sequence[PlaneRoute], **router_options: Any) -> APIRouter:
@@ -198,9 +204,9 @@ class EpisodeLane:
         except _Invalid as exc:
             response = validation_error_response(exc.errors)
         except EarlyRefusal as exc:  # the limits gate refused the body
-            response = error_response(exc.error, openai=exc.openai)
+            response = error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
         except SwarmHTTPError as exc:
-            response = error_response(exc, openai=row.openai)
+            response = error_response(exc, openai=row.openai, anthropic=row.anthropic)
         await response(scope, receive, send)
 
 

@@ -5,6 +5,13 @@ Routes raise `ajet.errors.SwarmHTTPError` (or the subclass of its status: the tr
 with its status; the OpenAI-compatible routes (`/v1/*`) answer the same errors in
 OpenAI's shape as well (`openai_error_body`), the hint kept in the message.
 
+Anthropic's Messages routes (`/v1/messages`, `/v1/messages/...`, `is_anthropic_path`)
+answer in Anthropic's shape (`anthropic_error_body`), likewise next to `detail`, `hint`
+and `param`.
+
+`StartupRefused` is no HTTP error: the server refuses to start (an unreadable ledger, an
+engine user that cannot run the engine); `ajet-swarm start` prints it and exits 2.
+
 `EarlyRefusal` carries a `SwarmHTTPError` out of an ASGI `receive` (`swarm_server.limits`):
 FastAPI passes an HTTPException met while reading a body through unchanged and turns
 anything else into a generic 400, so the refusal travels as one and is rendered here
@@ -27,18 +34,30 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet.errors import SwarmHTTPError, error_response, validation_error
 
-__all__ = ["EarlyRefusal", "install_error_handlers", "validation_error_response"]
+__all__ = ["EarlyRefusal", "StartupRefused", "install_error_handlers", "is_anthropic_path",
+           "validation_error_response"]
 
 log = logging.getLogger(__name__)
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Messages routes, whose errors are Anthropic-shaped."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+class StartupRefused(Exception):
+    """The server cannot start safely; the message says why and what to do."""
 
 
 class EarlyRefusal(StarletteHTTPException):
     """A `SwarmHTTPError` raised from inside `receive`; see the module docstring."""
 
-    def __init__(self, error: SwarmHTTPError, *, openai: bool = False) -> None:
+    def __init__(self, error: SwarmHTTPError, *, openai: bool = False, anthropic: bool = False
+                 ) -> None:
         super().__init__(error.status, detail=str(error.detail), headers=error.headers)
         self.error = error
         self.openai = openai
+        self.anthropic = anthropic
 
 
 def validation_error_response(errors: Sequence[Mapping[str, Any]]) -> JSONResponse:
@@ -58,7 +77,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, EarlyRefusal):
-            return error_response(exc.error, openai=exc.openai)
+            return error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
         hint = "see /docs for the routes" if exc.status_code in (404, 405) else ""
         return error_response(SwarmHTTPError(exc.status_code, exc.detail, hint,
                                              headers=getattr(exc, "headers", None)))

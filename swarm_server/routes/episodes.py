@@ -8,15 +8,17 @@ rows without FastAPI's routing) are both built from it; the engine serves each r
 the same path (`ajet.protocol.PlanePath`), where the gateway forwards it.
 
 `/end_episode` and `/abort_episode` also take the original AgentJet client's body
-(`client_uuid`, `workflow_output`, ...); `ajet.original_wire` turns either shape into
+(`client_uuid`, `workflow_output`, ...); `ajet.compat.boundary` turns either shape into
 the one model the handler uses, and the reply carries `success` next to this project's
 keys. The original's own claim route, `/claim_episode`, is in `routes/original.py`.
 
 begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
-completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
-the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
+completions, completions, responses, models, Anthropic's messages and count_tokens, and a
+404 for any other `/v1/` path) needs the episode key that `begin_episode` returned (as the
+OpenAI or Anthropic API key: `Authorization: Bearer` or `x-api-key`), and nothing else;
 the first gate verifies it once, and the handlers read the episode id it found. Their
-errors are OpenAI-shaped (`openai_error_body`) and keep `detail` and `hint`.
+errors are OpenAI-shaped (`openai_error_body`), Anthropic-shaped on the Messages routes
+(`anthropic_error_body`), and keep `detail` and `hint`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from fastapi import Depends, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
-from ajet import original_wire
+# A boundary import: /end_episode and /abort_episode read the original's body too
+from ajet.compat import boundary
+from ajet.compat.boundary import OriginalEnd
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
@@ -38,11 +42,11 @@ from ajet.protocol import (
     ErrorBody,
     PlanePath,
 )
-from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
 from ajet.errors import SwarmNotFound, SwarmValidationError, error_response
 from swarm_server.auth import EPISODE_SCOPE, EpisodeKeyRequirement, ReaderRequirement
 from swarm_server.context import ServerContext
 from swarm_server.episode_lane import PlaneRoute, plane_router
+from swarm_server.errors import is_anthropic_path
 from swarm_server.limits import BodyLimit
 
 __all__ = ["EPISODE_ROUTES", "router"]
@@ -83,12 +87,12 @@ async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest
 
 async def _end(ctx: ServerContext, _: Request, body: EndEpisodeRequest | OriginalEnd
                ) -> EndEpisodeResponse:
-    return await ctx.episodes.end(_converted(original_wire.end_request, body))
+    return await ctx.episodes.end(_converted(boundary.end_request, body))
 
 
 async def _abort(ctx: ServerContext, _: Request, body: AbortEpisodeRequest | OriginalEnd
                  ) -> dict[str, Any]:
-    return {**await ctx.episodes.abort(_converted(original_wire.abort_request, body)),
+    return {**await ctx.episodes.abort(_converted(boundary.abort_request, body)),
             "success": True}
 
 
@@ -96,7 +100,7 @@ def _converted(convert: Any, body: Any) -> Any:
     """An original body as this project's request; 422 naming the field it cannot serve."""
     try:
         return convert(body)
-    except original_wire.OriginalBodyError as exc:
+    except boundary.OriginalBodyError as exc:
         raise SwarmValidationError(422, [{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
                               "type": "value_error"}],
                                    f"fix the field {exc.field}") from exc
@@ -121,6 +125,14 @@ async def _retrieve_model(ctx: ServerContext, request: Request, _: None) -> Resp
     path = f"{PlanePath.MODELS}/{quote(request.path_params['model'], safe='/')}"
     return await ctx.episodes.openai(request.scope[EPISODE_SCOPE], method="GET", path=path,
                                      body=None)
+
+
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_OPENAI_ERRORS,
+    400: {"model": ErrorBody, "description": "a field the engine cannot honour (images, "
+                                             "documents, server tools, a prefill: named in "
+                                             "param), or a prompt over max_prompt_length"},
+}
 
 
 def _openai_body(description: str, required: list[str],
@@ -180,6 +192,29 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
             "tools": {"type": "array", "items": {"type": "object"}},
             "stream": {"type": "boolean"}, "max_output_tokens": {"type": "integer"}})),
     PlaneRoute(
+        "POST", PlanePath.MESSAGES, _forwarded(PlanePath.MESSAGES), EPISODE_KEY, CHAT_BODY,
+        name="messages", responses=_ANTHROPIC_ERRORS,
+        description="Anthropic's Messages API for one episode, recorded exactly like chat; "
+                    "the episode key as `x-api-key` or `Bearer`; `?beta=true`, "
+                    "`anthropic-version` and `anthropic-beta` accepted; Anthropic-shaped "
+                    "errors.",
+        openapi_extra=_openai_body("Anthropic Messages body, stateless (docs/api.md)",
+                                   ["max_tokens", "messages"], {
+            "messages": {"type": "array", "items": {"type": "object"}},
+            "system": {"oneOf": [{"type": "string"},
+                                 {"type": "array", "items": {"type": "object"}}]},
+            "tools": {"type": "array", "items": {"type": "object"}},
+            "stream": {"type": "boolean"}, "max_tokens": {"type": "integer"}})),
+    PlaneRoute(
+        "POST", PlanePath.COUNT_TOKENS, _forwarded(PlanePath.COUNT_TOKENS), EPISODE_KEY,
+        CHAT_BODY, name="count_tokens", responses=_ANTHROPIC_ERRORS,
+        description="The prompt tokens a Messages body renders to (nothing generated or "
+                    "recorded).",
+        openapi_extra=_openai_body("Anthropic count_tokens body (a Messages body without "
+                                   "max_tokens)", ["messages"], {
+            "messages": {"type": "array", "items": {"type": "object"}},
+            "tools": {"type": "array", "items": {"type": "object"}}})),
+    PlaneRoute(
         "GET", PlanePath.MODELS, _forwarded(PlanePath.MODELS), EPISODE_KEY, CHAT_BODY,
         name="list_models", responses=_ERRORS,
         description="The run's model, as OpenAI's model list; `Authorization: Bearer <episode "
@@ -197,7 +232,10 @@ router = plane_router(EPISODE_ROUTES, tags=["episodes"])
                   include_in_schema=False)
 async def unknown_openai_route(rest: str, _: Annotated[str, Depends(EPISODE_KEY)]
                                ) -> Response:
-    """Any other `/v1/` path: an OpenAI-shaped 404, once the episode key is checked."""
+    """Any other `/v1/` path: an OpenAI-shaped 404 (Anthropic-shaped under
+    `/v1/messages/`), once the episode key is checked."""
+    path = f"/v1/{rest}"
     served = ", ".join(row.path for row in EPISODE_ROUTES if row.openai and row.on_lane)
-    return error_response(SwarmNotFound(404, f"/v1/{rest} is not served on the episode plane",
-                                        f"the episode plane serves {served}"), openai=True)
+    return error_response(SwarmNotFound(404, f"{path} is not served on the episode plane",
+                                        f"the episode plane serves {served}"),
+                          openai=True, anthropic=is_anthropic_path(path))
