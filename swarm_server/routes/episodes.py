@@ -135,6 +135,12 @@ _ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+#: documented on the Messages route: accepted, any value
+_ANTHROPIC_VERSION: dict[str, Any] = {"parameters": [
+    {"name": "anthropic-version", "in": "header", "required": False,
+     "schema": {"type": "string"}}]}
+
+
 def _openai_body(description: str, required: list[str],
                  properties: dict[str, Any]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {
@@ -198,8 +204,8 @@ EPISODE_ROUTES: tuple[PlaneRoute, ...] = (
                     "the episode key as `x-api-key` or `Bearer`; `?beta=true`, "
                     "`anthropic-version` and `anthropic-beta` accepted; Anthropic-shaped "
                     "errors.",
-        openapi_extra=_openai_body("Anthropic Messages body, stateless (docs/api.md)",
-                                   ["max_tokens", "messages"], {
+        openapi_extra=_ANTHROPIC_VERSION | _openai_body(
+            "Anthropic Messages body, stateless (docs/api.md)", ["max_tokens", "messages"], {
             "messages": {"type": "array", "items": {"type": "object"}},
             "system": {"oneOf": [{"type": "string"},
                                  {"type": "array", "items": {"type": "object"}}]},
