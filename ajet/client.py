@@ -161,8 +161,11 @@ class SwarmClient(OriginalClientMixin):
         return self._call("GET", "/get_engine_status", model=EngineStatus)
 
     def submit_config(self, job: AgentJetJob | str) -> ConfigAccepted:
-        """Send a job (model or YAML text). Accepted only while the engine is OFFLINE."""
-        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        """Send a job (model or YAML text). Accepted only while the engine is OFFLINE.
+
+        A job sends only the fields its user set: the server chooses the rest for the
+        model (`ConfigAccepted.notes` says which and why)."""
+        text = job.submit_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
 
     def get_train_config(self) -> ConfigAccepted | None:

@@ -227,8 +227,11 @@ def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tupl
                                                                                     EngineConfig]:
     """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
     from ajet.copilot.job import AgentJetJob
+    from ajet.copilot.model_defaults import resolve_job
 
-    job = AgentJetJob.load_yaml(path)
+    # a validated job has every field written out; a hand-written one gets the model's
+    # defaults here, as the server's validator would have chosen them
+    job, _ = resolve_job(AgentJetJob.load_yaml(path))
     return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 
 

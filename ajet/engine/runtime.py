@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", default=None, help="the run id the server assigned")
     p.add_argument("--workdir", type=Path, default=Path.cwd(),
                    help="the server's work directory (ajet-tiny is built under models/)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="a checkpoint directory to continue from (the job's resume_from, "
+                        "resolved by the server)")
     p.add_argument("--log-level", default=os.environ.get("AJET_ENGINE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
@@ -112,6 +115,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.planning.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy, resolve_model_path
     from ajet.engine.generation.ranks import RankService, connect_ranks
+    from ajet.engine.checkpoints import generation_seed, resume_training
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
@@ -157,11 +161,13 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         memory.mark_loaded(policy.model)  # CPU: the peak counts what training and generation add
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
+        # a continuing run: weights, optimizer and random state from its checkpoint
+        start_step = resume_training(learner, args.resume) if args.resume else 0
         # Everything loaded so far lives until exit: freezing it keeps each garbage
         # collection short (transformers collects whenever the generator rebuilds its
         # KV cache, once a step; without this each takes ~0.2 s here).
         gc.freeze()
-        local = build_generator(cfg, policy)
+        local = build_generator(cfg, policy, seed=generation_seed(cfg.seed, start_step))
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
         if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
@@ -180,7 +186,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                              metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
                              started=started, dist=dist, generator=routed or local,
-                             memory=memory)
+                             memory=memory, start_step=start_step)
         steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
@@ -205,11 +211,14 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     return 0
 
 
-def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
+def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = None
+                    ) -> Generator:
     """This rank's generator: the backend `generation_backend` (or the env) names.
 
     `bench/gpu_check.py` and `bench/memory_plan_probe.py` generate with it too, and the
-    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`)."""
+    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`). `seed`
+    (default the job's) moves on with the step in a resumed run."""
+    seed = cfg.seed if seed is None else seed
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
         from ajet.engine.generation.recompute import RecomputeGenerator
@@ -217,7 +226,7 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
         log.warning("generating with the reference backend (no KV cache): "
                     "AJET_ENGINE_GENERATION=recompute")
         return RecomputeGenerator(policy, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  max_batch=cfg.max_generation_batch, seed=cfg.seed)
+                                  max_batch=cfg.max_generation_batch, seed=seed)
     if backend != "continuous_batching":
         raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
                          "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
@@ -227,7 +236,7 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     return ContinuousBatchingGenerator(
         model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
         max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=cfg.seed, cache=CacheSettings(
+        seed=seed, cache=CacheSettings(
             max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
             concurrency=generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight),
             gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -14,7 +14,9 @@ One step, top to bottom (docs/internals.md):
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
 lets an update that has begun finish; the caller then calls `finish`, which writes the
-final checkpoint.
+final checkpoint (or, when the last step was just saved, points `final/` at that
+checkpoint instead of writing the same state twice). A resumed run (`start_step` > 0)
+counts its steps on from the checkpoint's; `max_steps` counts from the first run.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ajet.engine.advantages import grpo_advantages
-from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
+from ajet.engine.checkpoints import CHECKPOINT_FILE, save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig
 from ajet.engine.parallel.distributed import Dist
 from ajet.engine.plane.episodes import EpisodeRegistry, Group
@@ -70,6 +72,8 @@ class TrainerParts:
     generator: Generator | None = None
     #: the measured peak memory and the planner's estimate, on every metrics line
     memory: PeakMemory | None = None
+    #: steps already done: the step of the checkpoint a resumed run started from
+    start_step: int = 0
 
 
 def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
@@ -86,7 +90,7 @@ def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[
 def train(parts: TrainerParts) -> int:
     """Run steps until stopped or `max_steps`; returns the number of finished steps."""
     cfg, registry, stop = parts.cfg, parts.registry, parts.stop
-    step = 0
+    step = parts.start_step
     while not stop.is_set() and (cfg.max_steps == 0 or step < cfg.max_steps):
         step_start = time.monotonic()
 
@@ -139,7 +143,15 @@ def checkpoint(parts: TrainerParts, target: Path, step: int) -> None:
 
 def finish(parts: TrainerParts, steps: int) -> None:
     """Rank 0, after `train`: the final checkpoint, then the other ranks stop."""
-    checkpoint(parts, parts.run_dir / "final", steps)
+    final, last = parts.run_dir / "final", step_checkpoint_dir(parts.run_dir, steps)
+    if steps > parts.start_step and (last / CHECKPOINT_FILE).is_file():
+        # the last step was saved a moment ago: final/ is that checkpoint, not a copy
+        if final.is_symlink() or final.exists():
+            final.unlink()
+        final.symlink_to(last.relative_to(parts.run_dir))
+        log.info("final checkpoint: step %d, already saved in %s", steps, last)
+    else:
+        checkpoint(parts, final, steps)
     parts.dist.broadcast(("stop", None))
 
 
