@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ajet.copilot.job import AgentJetJob
+from ajet.copilot.model_defaults import resolve_job
 from ajet.engine.config import BackendDefaults, engine_config_from_job, load_engine_config
 
 
@@ -58,10 +59,14 @@ def test_scale_fields_reach_the_engine_config_with_their_defaults() -> None:
     assert forced.lora_target_modules == ("q_proj", "v_proj")
 
 
-def test_lora_gets_ten_times_the_default_lr_unless_lr_is_given() -> None:
-    assert AgentJetJob(lora_rank=8).lr == pytest.approx(10 * AgentJetJob().lr)
-    assert AgentJetJob(lora_rank=8, lr=5e-5).lr == 5e-5  # (the original refuses <= 1e-5)
-    job = AgentJetJob(lora_rank=8)
-    assert AgentJetJob.from_yaml(job.to_yaml()).lr == job.lr  # resolved once, in the YAML
+def test_lora_gets_an_adapter_rate_unless_lr_is_given() -> None:
+    job, notes = resolve_job(AgentJetJob(lora_rank=8))
+    assert job.lr == 3e-2 and "lm_head" in job.lora_target_modules  # ajet-tiny's
+    assert {n["field"] for n in notes} >= {"lr", "lora_target_modules"}
+    assert resolve_job(AgentJetJob(lora_rank=8, lr=5e-5))[0].lr == 5e-5
+    with pytest.raises(ValueError, match="greater than 1e-5"):  # the original's floor
+        AgentJetJob(lora_rank=8, lr=1e-5)
+    assert resolve_job(job) == (job, [])  # resolved once: the YAML holds every value
+    assert AgentJetJob.from_yaml(job.to_yaml()) == job
     with pytest.raises(ValueError, match="activation_checkpointing"):
         AgentJetJob.from_yaml("activation_checkpointing: sometimes\n")
