@@ -4,7 +4,9 @@ Fields (docs/internals.md, "metrics.jsonl fields"): step, reward_mean, reward_st
 reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episodes,
 tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
-grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors).
+grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors), and the
+sampler-trainer gap (learner.py): `train/logprob_gap_mean`, `train/logprob_gap_max`,
+`train/logprob_gap_beyond_clip` and `train/clip_frac_first_epoch`.
 
 `success_rate` is the share of episodes whose `is_success` is true; an episode that did
 not say counts as a success when its reward is > 0.
@@ -66,6 +68,10 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
         # replies whose tool-call block did not parse (served as content; chat_format)
         "tool_call_parse_errors": sum(c.tool_call_parse_error for e in episodes
                                       for c in e.trajectory.completions),
+        "train/logprob_gap_mean": update.logprob_gap_mean,
+        "train/logprob_gap_max": update.logprob_gap_max,
+        "train/logprob_gap_beyond_clip": update.logprob_gap_beyond_clip,
+        "train/clip_frac_first_epoch": update.clip_frac_first_epoch,
     }
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
