@@ -296,6 +296,12 @@ class RunRow(BaseModel):
     reason: str | None = None
     reward_last: float | None = None
     reward_best: float | None = None
+    resumed_from: str | None = Field(default=None,
+                                     description="The run this one continued (resume_from)")
+    resume_step: int | None = Field(default=None, description="The step it continued from")
+    last_checkpoint: str | None = Field(
+        default=None, description="Its last complete checkpoint; resume_from: <run_id> "
+                                  "continues from there")
 
 
 class RunsResult(ToolResult):

@@ -404,6 +404,8 @@ def _run_row(run: RunPublic) -> RunRow:
         ended=_iso(run.ended_at), last_step=run.last_step,
         reason=(run.reason or None) and str(run.reason)[:200],
         reward_last=_round(_num(reward.get("last"))), reward_best=_round(_num(reward.get("best"))),
+        resumed_from=run.resumed_from, resume_step=run.resume_step,
+        last_checkpoint=run.last_checkpoint,
     )
 
 

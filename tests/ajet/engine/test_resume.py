@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.checkpoints import resume_training, step_checkpoint_dir
+from safetensors.torch import load_file
+
+from ajet.engine.checkpoints import resume_training, save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig, engine_config_from_job
 from ajet.engine.learner import Learner
 from ajet.engine.metrics import MetricsWriter
@@ -27,6 +29,7 @@ from ajet.engine.tiny import ensure_tiny_model
 from ajet.engine.trainer import TrainerParts, finish, train
 from ajet.engine.trajectory import Completion
 from ajet.protocol import EngineState
+from tests.ajet.engine.engine_support import spawn_engine
 
 BATCH, REPEAT = 2, 2
 
@@ -140,3 +143,27 @@ def test_resume_refuses_a_checkpoint_of_the_other_training_mode(model_path: Path
     lora = _learner(model_path, dataclasses.replace(cfg, lora_rank=4, lr=1e-3))
     with pytest.raises(ValueError, match="saved without LoRA"):
         resume_training(lora, parts.run_dir / "final")
+
+
+def test_the_engine_process_resumes_from_the_checkpoint_it_is_given(model_path: Path,
+                                                                    tmp_path: Path) -> None:
+    """`--resume` (what the server passes for resume_from): the engine restores the
+    checkpoint and counts on from its step; with max_steps reached it saves at once."""
+    learner = _learner(model_path, _cfg())
+    name, weight = next(iter(learner.model.scorer.lm.named_parameters()))
+    with torch.no_grad():
+        weight.add_(0.25)  # weights no fresh ajet-tiny has
+    saved = save_checkpoint(learner, tmp_path / "first" / "checkpoints" / "step_4", step=4,
+                            run_id="first")
+    job = AgentJetJob(batch_size=BATCH, num_repeat=REPEAT, max_steps=4)
+    handle = spawn_engine(tmp_path / "second", job, extra_args=("--resume", str(saved)))
+    try:
+        assert handle.proc.wait(timeout=180) == 0, handle.log_path.read_text()[-3000:]
+    finally:
+        handle.stop()
+    log = handle.log_path.read_text()
+    assert f"resumed from {saved}: step 4" in log
+    final = handle.run_dir / "final"
+    assert json.loads((final / "ajet_checkpoint.json").read_text())["step"] == 4
+    key = name.removeprefix("lm.")
+    torch.testing.assert_close(load_file(final / "model.safetensors")[key], weight.detach())
