@@ -504,7 +504,7 @@ def _rollout_info(job: RolloutHandle) -> RolloutInfo:
         raw = job.stats()
     except Exception as exc:  # the runner's stats must never break a status call
         raw, error = {}, f"stats unavailable: {exc}"
-    stats = {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v)[:200])
+    stats = {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v)[:400])
              for k, v in list(raw.items())[:20]}
     return RolloutInfo(handle=job.handle, workflow=job.workflow, running=job.running(),
                        n_workers=job.n_workers, num_repeat=job.num_repeat, tasks=job.tasks,
@@ -560,9 +560,29 @@ def rollout_status(bridge: Bridge, *, handle: str | None = None) -> RolloutStatu
     infos = [_rollout_info(j) for j in jobs]
     running = sum(1 for i in infos if i.running)
     message = f"{running} running, {len(infos) - running} stopped rollout job(s) shown."
-    message += (f" Next: {ToolName.READ_METRICS}." if running else
-                f" Next: {ToolName.START_ROLLOUTS} to send episodes.")
+    failing = next((i for i in infos if _rollout_failure(i)), None)
+    if failing is not None:
+        message += (f" Rollouts {failing.handle} are failing: {_rollout_failure(failing)} "
+                    f"Next: fix the workflow, {ToolName.STOP_ROLLOUTS} if it still runs, then "
+                    f"{ToolName.START_ROLLOUTS} again.")
+    else:
+        message += (f" Next: {ToolName.READ_METRICS}." if running else
+                    f" Next: {ToolName.START_ROLLOUTS} to send episodes.")
     return RolloutStatusResult(message=message, rollouts=infos)
+
+
+def _rollout_failure(info: RolloutInfo) -> str | None:
+    """Why a rollout job produces no episodes: it stopped on a repeated error, or every
+    episode so far failed in the workflow."""
+    stats = info.stats
+    if stats.get("stopped_reason"):
+        return str(stats["stopped_reason"])
+    if info.error and not info.running:
+        return info.error
+    if stats.get("workflow_errors") and not stats.get("episodes_ended"):
+        return (f"{stats['workflow_errors']} workflow error(s) and no episode ended; last: "
+                f"{stats.get('last_error')}.")
+    return None
 
 
 def stop_rollouts(bridge: Bridge, *, handle: str | None = None) -> RolloutStopResult:
