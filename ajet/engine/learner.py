@@ -189,6 +189,7 @@ class Learner:
                             sums[2] += entropy
                             sums[3] += terms.clipped_tokens
                         sums = dist.sum_floats(sums, self.policy.device)
+                        self.model.average_gradients()  # replicated (LoRA under torchrun)
                         grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
                         self.optimizer.step()
                         losses.append(sums[0])

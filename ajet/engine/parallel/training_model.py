@@ -10,6 +10,16 @@ weights in the compute dtype, on every rank):
 | one process, CPU (fp32) | `policy.model` itself | the same object: no copy, no sync |
 | one process, GPU | a separate fp32 copy, bf16 autocast | bf16 copy, refreshed after each update |
 | torchrun (FSDP2) | fp32, sharded over the ranks, bf16 compute on GPUs | a full copy on every rank, refreshed after each update |
+| LoRA, any of these | fp32 adapters on `policy.model`'s frozen base | the same object: one base, in the compute dtype |
+
+LoRA trains its adapters on the generation model itself: the frozen base is held once
+per rank, in the compute dtype (bf16 on GPUs: 2 bytes per parameter instead of a 4-byte
+fp32 master plus the 2-byte generation copy), replicated on every rank rather than
+sharded (it never changes, so there is nothing to reduce or publish), and only the
+adapters and their gradients and AdamW moments are fp32 (peft casts adapters of a bf16
+base to fp32). Under torchrun each rank's adapter gradients are averaged before the
+optimizer step (`average_gradients`), so every rank takes the same step and the
+adapters stay identical without a publication.
 
 The refresh is `TrainingModel.publish()` (`distributed.copy_full_weights`), called by the
 learner at the end of every update on every rank: one parameter is gathered at a time;
@@ -18,9 +28,9 @@ FSDP2: the inference copy (`2 x params` bytes in bf16) plus the shards of the tr
 model (`16 x params / N`: fp32 weights, gradients and AdamW's two moments), plus the
 largest single parameter while a refresh runs.
 
-With LoRA (`cfg.lora_rank > 0`) both models get the same adapters (`lora.apply_lora`,
-seeded) and only the adapters train. The KL reference (`kl_coef > 0`) is the trained
-model with its adapters disabled; without LoRA it is a frozen copy of the checkpoint in
+With LoRA (`cfg.lora_rank > 0`) the one model gets adapters (`lora.apply_lora`, seeded,
+so every rank starts from the same ones) and only the adapters train. The KL reference
+(`kl_coef > 0`) is the trained model with its adapters disabled; without LoRA it is a frozen copy of the checkpoint in
 the compute dtype, sharded like the trained model under torchrun.
 """
 
@@ -62,6 +72,8 @@ class TrainingModel:
     #: frozen initial policy for the KL term (full fine-tuning with kl_coef > 0)
     reference: ResponseScorer | None
     lora: bool
+    #: trained the same on every rank, not sharded: gradients are averaged by hand
+    replicated: bool = False
 
     @property
     def lm(self) -> nn.Module:
@@ -93,6 +105,26 @@ class TrainingModel:
         """Copy the trained weights into the inference model; every rank calls it."""
         copy_full_weights(self.hf_model, self.inference, trainable_only=self.lora)
 
+    def average_gradients(self) -> None:
+        """Replicated training under torchrun: every rank's gradients become their mean
+        over the ranks (what FSDP's reduce-scatter does for a sharded model). Every rank
+        calls it after the backward passes of an optimizer step; a no-op otherwise."""
+        if not self.replicated:
+            return
+        import torch.distributed as torch_dist
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = []
+        for p in self.params:
+            if p.grad is None:  # every rank must send the same layout
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        flat = _flatten_dense_tensors(grads)  # one collective for all adapters
+        torch_dist.all_reduce(flat)
+        flat /= torch_dist.get_world_size()
+        for grad, mean in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(mean)
+
     def train(self, mode: bool = True) -> None:
         self.scorer.train(mode)
 
@@ -100,8 +132,9 @@ class TrainingModel:
 def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> TrainingModel:
     """See the module docstring. Every rank calls it at the same point (FSDP2 collectives)."""
     compute, master = getattr(torch, cfg.dtype), getattr(torch, cfg.master_dtype)
-    # the generation model is trained directly when nothing differs: one process, one dtype
-    shared = not dist.active and compute == master
+    # the generation model is trained directly when nothing differs (one process, one
+    # dtype), and always with LoRA: the base is frozen, only the fp32 adapters train
+    shared = cfg.lora or (not dist.active and compute == master)
     if shared:
         lm: nn.Module = policy.model
     else:
@@ -128,7 +161,9 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
     scorer = ResponseScorer(lm, chunk_tokens=cfg.logprob_chunk_tokens,
                             autocast_dtype=compute if not shared and not dist.active else None)
     layers = list(lm.get_decoder().layers)  # type: ignore[operator, union-attr]
-    dist.shard(scorer, layers, param_dtype=compute if compute != master else None)
+    replicated = cfg.lora and dist.active  # the frozen base is never sharded
+    if not replicated:
+        dist.shard(scorer, layers, param_dtype=compute if compute != master else None)
     reference = None
     if cfg.kl_coef > 0 and not cfg.lora:
         ref_lm = load_causal_lm(policy.path, dtype=compute,
@@ -138,10 +173,12 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
         dist.shard(reference, list(ref_lm.get_decoder().layers))  # type: ignore[operator]
     scorer.eval()
     model = TrainingModel(scorer=scorer, params=[p for p in scorer.parameters() if p.requires_grad],
-                          inference=policy.model, reference=reference, lora=cfg.lora)
+                          inference=policy.model, reference=reference, lora=cfg.lora,
+                          replicated=replicated)
     model.publish()  # the inference copy starts from exactly the trained weights
     log.info("training model: %s, %s master weights, %s compute, activation checkpointing %s, "
-             "%d trainable parameters%s", "FSDP2 over %d ranks" % dist.world_size
+             "%d trainable parameters%s", ("replicated over %d ranks" if replicated
+                                            else "FSDP2 over %d ranks") % dist.world_size
              if dist.active else "one process", cfg.master_dtype, cfg.dtype,
              "on" if cfg.activation_checkpointing else "off",
              sum(p.numel() for p in model.params), "" if shared else
