@@ -515,9 +515,12 @@ class MemoryPlan:
         j = self.job
         where = (f"{j.world_size} GPU(s) ({j.n_gpu} per node x {j.nnodes} node(s))"
                  if j.on_gpu else f"CPU, {j.world_size} process(es)")
-        training = f"LoRA rank {j.lora_rank}" if j.lora_rank > 0 else "full fine-tuning"
-        sharding = "FSDP2" if j.sharded else "one process"
-        precision = "bf16 compute over fp32 masters" if j.on_gpu else "fp32"
+        lora = j.lora_rank > 0
+        training = f"LoRA rank {j.lora_rank}" if lora else "full fine-tuning"
+        sharding = ("one process" if not j.sharded else
+                    "the base replicated on every rank" if lora else "FSDP2")
+        precision = ("fp32" if not j.on_gpu else
+                     "bf16 base, fp32 adapters" if lora else "bf16 compute over fp32 masters")
         return (f"{training}, {where}, {sharding}, {precision}, activation checkpointing "
                 f"{'on' if j.checkpointing else 'off'}, micro-batches of {self.micro_tokens} "
                 "tokens")
@@ -615,22 +618,29 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                 backend: BackendDefaults | None = None, with_fixes: bool = True) -> MemoryPlan:
     """The estimate for `job` on `shape`, per GPU (or per CPU process); see the module doc."""
     backend = backend or BackendDefaults()
-    world = job.world_size
-    sharded = job.sharded
-    p = shape.parameters
     lora = job.lora_rank > 0
+    # LoRA trains fp32 adapters on the generation model's frozen base, replicated on
+    # every rank, never sharded (training_model.py); FSDP2 shards full fine-tuning only
+    sharded = job.sharded and not lora
+    world = job.world_size if sharded else 1
+    p = shape.parameters
     adapters = shape.lora_parameters(job.lora_rank, job.lora_target_modules) if lora else 0
     trainable = adapters if lora else p
     compute = 2 if job.on_gpu else _FP32  # bf16 on GPUs, fp32 on CPU
-    mode = "fp32" if not job.on_gpu else ("bf16" if sharded else "autocast")
-    # one CPU process trains the generation model itself (training_model.py: `shared`)
-    shared = not sharded and not job.on_gpu
+    mode = "fp32" if not job.on_gpu else ("bf16" if sharded or lora else "autocast")
+    # one CPU process, and LoRA anywhere, train the generation model itself (`shared`)
+    shared = lora or (not sharded and not job.on_gpu)
 
     def per_rank(n: int) -> int:
         return math.ceil(n / world)
 
-    terms = [Term(f"generation copy ({'bf16' if compute == 2 else 'fp32'})",
-                  (p + adapters) * compute, "model", _ALL)]
+    if lora:
+        terms = [Term(f"model: frozen base ({'bf16' if compute == 2 else 'fp32'}, shared by "
+                      "generation and training) + fp32 adapters",
+                      p * compute + adapters * _FP32, "model", _ALL)]
+    else:
+        terms = [Term(f"generation copy ({'bf16' if compute == 2 else 'fp32'})",
+                      p * compute, "model", _ALL)]
     if not shared:
         terms.append(Term("trained weights (fp32 masters" + (", sharded)" if sharded else ")"),
                           per_rank((p + adapters) * _FP32), "state", _ALL))
@@ -646,7 +656,7 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                           per_rank(p * compute), "state", _ALL))
 
     # --- the micro-batch: the token budget, unless a step never gathers that many
-    groups = math.ceil(math.ceil(job.batch_size / max(1, job.mini_batch_num)) / world)
+    groups = math.ceil(math.ceil(job.batch_size / max(1, job.mini_batch_num)) / job.world_size)
     rank_tokens = groups * job.num_repeat * job.sample_tokens
     micro = min(max(job.micro_batch_tokens, job.sample_tokens), rank_tokens)
     response_share = job.max_response_length / job.sample_tokens
@@ -675,11 +685,10 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                           ("backward",)))
     terms.append(Term(f"log-prob chunk ({chunk} x {shape.vocab_size} fp32 logits)",
                       _LOGIT_COPIES * chunk * shape.vocab_size * _FP32, "transient", _UPDATE))
-    if job.on_gpu and not sharded:
-        # autocast caches a bf16 copy of every trainable weight for the forward; frozen
-        # (LoRA) weights are cast per use and kept for backward unless checkpointed
-        casts = 2 * p if not (lora and job.checkpointing) else 2 * shape.layer_parameters
-        terms.append(Term("bf16 weight casts (autocast)", casts, "transient", _UPDATE))
+    if job.on_gpu and not sharded and not lora:
+        # autocast caches a bf16 copy of every trainable weight for the forward (LoRA's
+        # base is bf16 already and its adapters compute in fp32: no casts)
+        terms.append(Term("bf16 weight casts (autocast)", 2 * p, "transient", _UPDATE))
     if sharded:
         # FSDP2: the root unit (embeddings, head) stays gathered from forward to
         # backward, two decoder layers are gathered at a time (prefetch); in backward the
@@ -709,8 +718,9 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
     terms.append(Term("AdamW step temporaries", step_temp, "transient", ("optimizer step",)))
 
     if job.on_gpu:
-        terms.append(Term("CUDA context" + (" and NCCL buffers" if sharded else ""),
-                          _CUDA_CONTEXT + (_NCCL_BUFFERS if sharded else 0), "runtime", _ALL))
+        several = job.world_size > 1
+        terms.append(Term("CUDA context" + (" and NCCL buffers" if several else ""),
+                          _CUDA_CONTEXT + (_NCCL_BUFFERS if several else 0), "runtime", _ALL))
     else:
         terms.append(Term("torch kernels and autograd (CPU, from the first update)",
                           _CPU_RUNTIME, "runtime", _TRAINING, steady=True))
