@@ -37,9 +37,23 @@ if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot
     from ajet.engine.generation.interface import Generator
     from ajet.engine.policy import Policy
 
-__all__ = ["main", "parse_args"]
+__all__ = ["CUDA_ALLOC_CONF", "allocator_conf", "main", "parse_args"]
 
 log = logging.getLogger("ajet.engine")
+
+#: The engine's CUDA caching allocator. The KV cache (tens of GiB) is allocated and freed
+#: every step, next to the update's tensors: with expandable segments the allocator maps
+#: and unmaps pages inside one growing segment instead of keeping fixed-size blocks, so
+#: freed memory is not stranded in fragments (torch's `expandable_segments`).
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def allocator_conf(current: str | None) -> str:
+    """`PYTORCH_CUDA_ALLOC_CONF` for the engine: the operator's options, plus expandable
+    segments unless they chose otherwise."""
+    if current and "expandable_segments" in current:
+        return current
+    return ",".join(part for part in (current, CUDA_ALLOC_CONF) if part)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -63,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # read when CUDA first allocates, so before anything touches a GPU (even with torch
+    # already imported by the warm standby); torchrun's ranks each run this
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = allocator_conf(
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     rank = int(os.environ.get("RANK", "0"))
     where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -86,8 +104,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     import ajet
 
     ajet_file = str(Path(ajet.__file__).resolve())
-    log.info("engine pid %d, run %s, ajet from %s, python %s", os.getpid(), args.run_id,
-             ajet_file, sys.version.split()[0])
+    log.info("engine pid %d, run %s, ajet from %s, python %s, PYTORCH_CUDA_ALLOC_CONF=%s",
+             os.getpid(), args.run_id, ajet_file, sys.version.split()[0],
+             os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
     # A bad job fails here, before the slow imports, with each bad field named.
     from ajet.copilot.job import AgentJetJob

@@ -28,6 +28,15 @@ FSDP2: the inference copy (`2 x params` bytes in bf16) plus the shards of the tr
 model (`16 x params / N`: fp32 weights, gradients and AdamW's two moments), plus the
 largest single parameter while a refresh runs.
 
+Under FSDP2 the trained copy (and the KL reference) is built on the meta device, sharded,
+and only then given memory (`to_empty`) and filled from `policy.model`, one tensor at a
+time, each rank keeping its slice (`_fill_from`): no rank ever holds a second whole copy,
+in host or device memory. `policy.model` itself is loaded straight onto the device
+(`policy.load_policy`), so a node's host memory at boot is about one copy of the
+checkpoint (the page cache of its files), not one per rank. A checkpoint stored more
+precisely than the compute dtype (fp32 on disk, bf16 compute) is read from disk instead,
+so the fp32 masters keep its precision.
+
 With LoRA (`cfg.lora_rank > 0`) the one model gets adapters (`lora.apply_lora`, seeded,
 so every rank starts from the same ones) and only the adapters train. The KL reference
 (`kl_coef > 0`) is the trained model with its adapters disabled; without LoRA it is a frozen copy of the checkpoint in
@@ -44,7 +53,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from torch.distributed.tensor import DTensor, distribute_tensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ajet.engine.config import EngineConfig
 from ajet.engine.parallel.distributed import Dist, copy_full_weights
@@ -59,6 +69,58 @@ log = logging.getLogger(__name__)
 def load_causal_lm(path: Path, *, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     return model.to(device)
+
+
+def _second_copy(policy: Policy, dtype: torch.dtype, dist: Dist) -> tuple[nn.Module, bool]:
+    """Another model of the policy's architecture in `dtype`, and whether it is still
+    empty (on the meta device: `_fill_from` gives it the policy's weights once sharded)."""
+    stored = _stored_dtype(policy.path)
+    exact = stored in (None, policy.model.dtype) or (
+        stored.itemsize <= policy.model.dtype.itemsize)
+    if not dist.active or not exact:
+        if dist.active:
+            log.warning("the checkpoint is stored in %s, more precisely than the %s compute "
+                        "dtype: every rank reads it into host memory for the fp32 masters",
+                        stored, policy.model.dtype)
+        return load_causal_lm(policy.path, dtype=dtype,
+                              device="cpu" if dist.active else policy.device), False
+    config = AutoConfig.from_pretrained(policy.path, local_files_only=True)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype), True
+
+
+def _stored_dtype(path: Path) -> torch.dtype | None:
+    """The dtype the checkpoint's weights are stored in (its config.json), if it says."""
+    import json
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = config.get("torch_dtype") or config.get("dtype") if isinstance(config, dict) else None
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+@torch.no_grad()
+def _fill_from(model: nn.Module, source: nn.Module, device: torch.device) -> None:
+    """Give a sharded meta-device `model` memory and `source`'s weights (by name), one
+    tensor at a time: each full tensor is cast on the device and sliced locally into
+    this rank's shard (no collective: every rank has the same source)."""
+    model.to_empty(device=device)
+    params, buffers = dict(source.named_parameters()), dict(source.named_buffers())
+    for name, param in model.named_parameters():
+        full = params[name].detach().to(device=device, dtype=param.dtype)
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements,
+                                      src_data_rank=None)
+            param.to_local().copy_(local.to_local())
+        else:
+            param.copy_(full)
+        del full
+    for name, buffer in model.named_buffers():  # rotary frequencies, never in a state dict
+        if name in buffers:
+            buffer.copy_(buffers[name].to(buffer.dtype))
 
 
 @dataclass
@@ -135,13 +197,12 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
     # the generation model is trained directly when nothing differs (one process, one
     # dtype), and always with LoRA: the base is frozen, only the fp32 adapters train
     shared = cfg.lora or (not dist.active and compute == master)
+    empty = False
     if shared:
         lm: nn.Module = policy.model
     else:
-        # under FSDP2 each rank reads the checkpoint into host memory and keeps its shard
-        # on the device (fully_shard moves it); one process loads it onto the device
-        lm = load_causal_lm(policy.path, dtype=master,
-                            device="cpu" if dist.active else policy.device)
+        # under FSDP2: empty (meta) until sharded, then filled from the policy's weights
+        lm, empty = _second_copy(policy, master, dist)
     if cfg.lora:
         from ajet.engine.parallel.lora import apply_lora
 
@@ -164,13 +225,17 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
     replicated = cfg.lora and dist.active  # the frozen base is never sharded
     if not replicated:
         dist.shard(scorer, layers, param_dtype=compute if compute != master else None)
+    if empty:
+        _fill_from(lm, policy.model, policy.device)
     reference = None
     if cfg.kl_coef > 0 and not cfg.lora:
-        ref_lm = load_causal_lm(policy.path, dtype=compute,
-                                device="cpu" if dist.active else policy.device).eval()
+        ref_lm, ref_empty = _second_copy(policy, compute, dist)
+        ref_lm.eval()
         ref_lm.requires_grad_(False)
         reference = ResponseScorer(ref_lm, chunk_tokens=cfg.logprob_chunk_tokens)
         dist.shard(reference, list(ref_lm.get_decoder().layers))  # type: ignore[operator]
+        if ref_empty:
+            _fill_from(ref_lm, policy.model, policy.device)
     scorer.eval()
     model = TrainingModel(scorer=scorer, params=[p for p in scorer.parameters() if p.requires_grad],
                           inference=policy.model, reference=reference, lora=cfg.lora,

@@ -133,6 +133,15 @@ def test_resumed_run_continues_at_step_5_from_the_saved_state(model_path: Path,
     assert any(not torch.equal(after[n], at_4[n]) for n in at_4)  # step 5 did update
 
 
+def test_the_engine_keeps_the_operators_allocator_options() -> None:
+    from ajet.engine.runtime import allocator_conf
+
+    assert allocator_conf(None) == "expandable_segments:True"
+    assert allocator_conf("max_split_size_mb:128") == \
+        "max_split_size_mb:128,expandable_segments:True"
+    assert allocator_conf("expandable_segments:False") == "expandable_segments:False"
+
+
 def test_resume_refuses_a_checkpoint_of_the_other_training_mode(model_path: Path,
                                                                 tmp_path: Path) -> None:
     cfg = _cfg()
@@ -163,6 +172,8 @@ def test_the_engine_process_resumes_from_the_checkpoint_it_is_given(model_path: 
         handle.stop()
     log = handle.log_path.read_text()
     assert f"resumed from {saved}: step 4" in log
+    # the engine's CUDA allocator uses expandable segments (a no-op on CPU)
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in log
     final = handle.run_dir / "final"
     assert json.loads((final / "ajet_checkpoint.json").read_text())["step"] == 4
     key = name.removeprefix("lm.")
