@@ -183,6 +183,8 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
         )
     base, source = current_config(bridge)
     merged = {**({} if reset else base or {}), **changes}
+    if isinstance(merged.get("defaults_chosen"), list):  # what is changed here is set
+        merged["defaults_chosen"] = [f for f in merged["defaults_chosen"] if f not in changes]
     text = yaml.safe_dump(merged, sort_keys=False)
     with swarm_errors(f"fix the named field(s) and call {ToolName.CONFIGURE} again"):
         accepted = bridge.client.submit_config(text)

@@ -196,6 +196,12 @@ class AgentJetJob(BaseModel):
                     "(first epoch: the ratio is exactly 1) instead of the sampler's; 'auto' = "
                     "on when training computes in bf16 (GPUs). Recorded samples keep the "
                     "sampled log-probs either way")
+    defaults_chosen: list[str] = Field(
+        default_factory=_d("defaults_chosen"), max_length=50,
+        description="Fields the server chose for the model (written by its validator): "
+                    "chosen again whenever the job is checked, so a job whose model or "
+                    "training mode changed gets that model's values; setting a field takes "
+                    "it off this list")
     # --- generation: KV cache sizing
     gpu_memory_utilization: float = Field(
         default_factory=_d("gpu_memory_utilization"), gt=0, le=1,
@@ -373,6 +379,12 @@ class AgentJetJob(BaseModel):
                 raise ValueError("lr should usually be greater than 1e-5 for lora training, "
                                  f"got {self.lr}")
         return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # a field the user sets is theirs, even if the server had chosen it before
+        if name != "defaults_chosen" and name in self.defaults_chosen:
+            self.defaults_chosen = [f for f in self.defaults_chosen if f != name]
 
     # ------------------------------------------------------------------ original names
 

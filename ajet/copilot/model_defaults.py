@@ -32,6 +32,11 @@ the learning benchmark's 90 s. Boot reads the checkpoint from disk (60 s per GiB
 slow shared file system); the stop grace covers writing the final checkpoint (bf16
 weights, fp32 masters and AdamW's two moments: 14 bytes per trained parameter).
 
+The validator records the fields it chose in the job's `defaults_chosen`, and chooses
+those again at every check: a stored config whose `model` or `lora_rank` is then changed
+(the MCP bridge's `configure` merges changes into the stored config) gets the new
+model's values, not the old model's carried over as if the user had set them.
+
 A value the user set is kept; one far outside the usual range for its model gets a note
 naming the range (`notes`, status `unusual`). Each chosen value gets a note too (status
 `default`), so the accepted config says what was chosen and why.
@@ -197,17 +202,24 @@ def resolve_job(job: AgentJetJob) -> tuple[AgentJetJob, list[dict[str, str]]]:
     """
     facts = model_facts(job.model)
     chosen = _chosen(job, facts)
+    again = set(job.defaults_chosen)
     unset = {name: value for name, (value, _) in chosen.items()
-             if name not in job.model_fields_set}
+             if name not in job.model_fields_set or name in again}
     notes = [{"field": name, "status": "default", "reason": f"{value!r}: {chosen[name][1]}"}
              for name, value in unset.items()]
+    # chosen for an earlier model but not by this one's rules: back to the plain default
+    from ajet.copilot.job import default_job_values
+
+    for name in sorted(again - set(chosen)):
+        unset[name] = default_job_values().get(name)
     resolved = job
     if unset:
         from pydantic import ValidationError
 
         from ajet.copilot.job import AgentJetJob, JobValidationError
 
-        data = {**job.model_dump(exclude_unset=True), **unset}
+        data = {**job.model_dump(exclude_unset=True), **unset,
+                "defaults_chosen": sorted(set(unset) & set(chosen))}
         try:
             resolved = AgentJetJob.model_validate(data)
         except ValidationError as exc:
@@ -226,13 +238,14 @@ def _unusual(job: AgentJetJob, facts: ModelFacts) -> list[dict[str, str]]:
     notes = []
     lora = job.lora_rank > 0
     usual = usual_lr_range(facts, lora=lora)
-    if usual is not None and "lr" in job.model_fields_set and not usual[0] <= job.lr <= usual[1]:
+    user_set = job.model_fields_set - set(job.defaults_chosen)
+    if usual is not None and "lr" in user_set and not usual[0] <= job.lr <= usual[1]:
         notes.append({"field": "lr", "status": "unusual", "reason": (
             f"lr={job.lr:g} is outside the usual range {usual[0]:g} to {usual[1]:g} for "
             f"{'LoRA' if lora else 'full fine-tuning'} of {facts.describe()}; accepted as set "
             "(leave lr unset to get the default for this model)")})
     if not facts.tiny and facts.parameters is not None and \
-            "max_new_tokens" in job.model_fields_set and job.max_new_tokens < 256:
+            "max_new_tokens" in user_set and job.max_new_tokens < 256:
         notes.append({"field": "max_new_tokens", "status": "unusual", "reason": (
             f"max_new_tokens={job.max_new_tokens}: every reply longer than that is cut "
             "(finish_reason length; the Responses API says incomplete), which agent "
