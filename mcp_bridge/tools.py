@@ -191,7 +191,8 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
     before = base if base is not None else default_job_values()
     changed = [ConfigChange(field=k, before=before.get(k), after=accepted.config.get(k))
                for k in sorted(set(before) | set(accepted.config))
-               if before.get(k) != accepted.config.get(k)]
+               # defaults_chosen is the server's bookkeeping of the fields it chose
+               if k != "defaults_chosen" and before.get(k) != accepted.config.get(k)]
     what = ", ".join(f"{c.field}={c.after!r}" for c in changed[:8]) or "nothing"
     return ConfigureResult(
         message=(f"Config accepted for experiment {accepted.experiment_name!r}; changed {what}. "
