@@ -183,6 +183,10 @@ class SyncConfigRequest(_Model):
                                   "`yaml_as_string`)",
                       max_length=1_000_000,
                       validation_alias=AliasChoices("yaml", "yaml_as_string"))
+    check_only: bool = Field(
+        default=False, description="Validate with the active code's validator and store "
+                                   "nothing; allowed in any engine state (a check before a "
+                                   "restart, so a refused config never stops a run)")
 
 
 class ConfigNote(BaseModel):

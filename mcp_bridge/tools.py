@@ -346,6 +346,7 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
     ys = [y for _, y in pairs]
     lo, hi = min(ys), max(ys)
     direction: Literal["up", "down", "flat"] = "flat"
+    rise = 0.0
     if len(pairs) >= 2 and hi > lo:
         # Least-squares slope over the window: less fooled by one noisy end point than
         # last - first. "flat" when the fitted rise is under 10% of the observed range.
@@ -358,7 +359,7 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
             direction = "up" if rise > 0 else "down"
     return MetricTrend(metric=name, first=_round(ys[0]), last=_round(ys[-1]), min=_round(lo),
                        max=_round(hi), mean=_round(sum(ys) / len(ys)),
-                       change=_round(ys[-1] - ys[0]), direction=direction, points=len(ys))
+                       change=_round(rise), direction=direction, points=len(ys))
 
 
 def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
