@@ -174,7 +174,7 @@ class SwarmClient(OriginalClientMixin):
 
         Allowed in any engine state: check before stopping a run for a new config.
         """
-        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        text = job.submit_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text, "check_only": True},
                           model=ConfigAccepted)
 
