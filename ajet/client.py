@@ -75,6 +75,11 @@ SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEI
 _LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 
 
+#: Read timeout of a stop: the server's largest stop grace (max_stop_grace_s, 1800 s), the
+#: SIGKILL wait and the run's finalisation.
+_STOP_TIMEOUT_S = 1900.0
+
+
 class SwarmClient(OriginalClientMixin):
     """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
 
@@ -195,9 +200,13 @@ class SwarmClient(OriginalClientMixin):
         return status
 
     def stop_run(self, *, reason: str = "stopped by request") -> StopEngineResponse:
-        """Stop the engine (idempotent); says whether anything was running."""
+        """Stop the engine (idempotent); says whether anything was running, which
+        checkpoint the stop waited for and the run's last complete one.
+
+        Waits as long as the server may (a run's stop grace covers its final checkpoint:
+        minutes for a 7B model, at most the server's max_stop_grace_s)."""
         return self._call("POST", "/stop_engine", json={"reason": reason},
-                          model=StopEngineResponse, timeout=max(self._timeout, 60.0))
+                          model=StopEngineResponse, timeout=max(self._timeout, _STOP_TIMEOUT_S))
 
     def configure_and_start(
         self, job: AgentJetJob, force_restart: bool = False, *, wait_timeout: float = 300.0
