@@ -4,8 +4,8 @@ The engine writes `checkpoints/step_<n>/` and `final/` under its run directory, 
 first as `<name>.partial` and renamed once complete, with an `ajet_checkpoint.json`
 (step, run id). The server reads only those files (it never imports the engine): to
 name a run's last complete checkpoint in the ledger, to tell a stop that a save is in
-progress, and to turn `resume_from` (a run id, `latest`, or a checkpoint directory) into
-the checkpoint directory the engine restores.
+progress, and to turn `resume_from` (a run id, `latest`, or a checkpoint directory of one
+of this server's runs) into the checkpoint directory the engine restores.
 """
 
 from __future__ import annotations
@@ -108,6 +108,15 @@ def resolve_resume(value: str, *, ledger: Ledger, experiment_name: str,
     path = Path(value).expanduser()
     if not path.is_absolute():
         path = runs_dir / path  # e.g. <run id>/checkpoints/step_20
+    try:
+        # only what this server's runs wrote: a checkpoint's training state is read with
+        # torch.distributed.checkpoint, whose metadata is a pickle
+        path.resolve().relative_to(runs_dir.resolve())
+    except ValueError:
+        raise Unprocessable(f"resume_from: {value!r} is outside the server's runs directory "
+                            f"{runs_dir}",
+                            "name a run id, 'latest', or a checkpoint of one of its runs; "
+                            "to start from other weights, set model to their directory") from None
     found = _read(path) if path.is_dir() else None
     if found is None:
         raise Unprocessable(f"resume_from: {value!r} is neither a run id, 'latest', nor a "

@@ -187,7 +187,8 @@ class AgentJetJob(BaseModel):
     resume_from: str | None = Field(
         default_factory=_d("resume_from"), min_length=1, max_length=1000,
         description="Continue an earlier run: its run id, 'latest' (the latest run of this "
-                    "experiment_name with a complete checkpoint), or a checkpoint directory. "
+                    "experiment_name with a complete checkpoint), or a checkpoint directory of "
+                    "one of the server's runs. "
                     "Restores weights, optimizer state, the step counter and the sampling "
                     "random state; the run records what it resumed from")
     recompute_old_logprobs: bool | Literal["auto"] = Field(

@@ -107,4 +107,8 @@ def test_resume_from_nothing_is_refused_with_a_hint(h: Harness) -> None:
     h.configure(experiment_name="fresh", resume_from="no-such-run")
     with pytest.raises(Unprocessable, match="neither a run id"):
         h.ctl.start(role="control")
+    outside = _checkpoint(h.settings.workdir / "elsewhere", 3, "x")
+    h.configure(experiment_name="fresh", resume_from=str(outside))
+    with pytest.raises(Unprocessable, match="outside the server's runs directory"):
+        h.ctl.start(role="control")
     assert h.ctl.state is S.OFFLINE and h.spawner.processes == []
