@@ -212,6 +212,11 @@ class StopResult(ToolResult):
     run_id: str | None = None
     engine_state: str
     rollouts_stopped: list[str] = Field(default_factory=list)
+    waited_for: list[str] = Field(default_factory=list,
+                                  description="Checkpoints being written that the stop waited for")
+    last_checkpoint: str | None = Field(
+        default=None, description="The run's last complete checkpoint: configure "
+                                  "resume_from=<run_id> (or 'latest') to continue from it")
 
 
 class RolloutInfo(BaseModel):

@@ -271,14 +271,19 @@ def stop_engine(bridge: Bridge, *, reason: str = "stopped by the research agent"
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
         result = bridge.client.stop_run(reason=reason[:500])
     if result.stopped:
-        message = (f"Run {result.run_id} stopped; engine is {result.state}. Next: "
-                   f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
+        waited = (f" It waited for the checkpoint(s) being written: "
+                  f"{', '.join(result.waited_for)}." if result.waited_for else "")
+        last = (f" Last complete checkpoint: {result.last_checkpoint} (resume_from="
+                f"{result.run_id!r} continues from it)." if result.last_checkpoint else "")
+        message = (f"Run {result.run_id} stopped; engine is {result.state}.{waited}{last} "
+                   f"Next: {ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
                    f"{ToolName.START_ENGINE}.")
     else:
         message = (f"No engine was running (state {result.state}). Next: "
                    f"{ToolName.START_ENGINE} when ready.")
     return StopResult(message=message, stopped=result.stopped, run_id=result.run_id,
-                      engine_state=result.state.value, rollouts_stopped=stopped)
+                      engine_state=result.state.value, rollouts_stopped=stopped,
+                      waited_for=result.waited_for, last_checkpoint=result.last_checkpoint)
 
 
 # ---------------------------------------------------------------------------- metrics, logs
