@@ -20,7 +20,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -43,6 +44,8 @@ from ajet.protocol import (
     ApprovalsPage,
     AuditPage,
     BeginEpisodeResponse,
+    CheckpointManifest,
+    CheckpointsPage,
     CodeSyncResult,
     ConfigAccepted,
     EndEpisodeResponse,
@@ -381,6 +384,43 @@ class SwarmClient(OriginalClientMixin):
                 params["regex"] = "true"
         return self._call("GET", f"/runs/{run_id}/logs", params=params, model=LogsResponse)
 
+    def list_checkpoints(self, run_id: str = "current") -> CheckpointsPage:
+        """A run's checkpoints: name, step, kind, size, complete or not."""
+        return self._call("GET", f"/runs/{run_id}/checkpoints", model=CheckpointsPage)
+
+    def checkpoint_manifest(self, run_id: str, name: str) -> CheckpointManifest:
+        """Every file of a checkpoint with its sha256, and the archive's size and ETag."""
+        return self._call("GET", f"/runs/{run_id}/checkpoints/{name}",
+                          model=CheckpointManifest, timeout=max(self._timeout, 600.0))
+
+    @contextmanager
+    def open_checkpoint_archive(self, run_id: str, name: str, *, start: int = 0,
+                                if_range: str | None = None) -> Iterator[httpx.Response]:
+        """The checkpoint's tar as a streamed response; from byte `start` (a 206) when
+        `if_range` (the manifest's ETag) still matches, else the whole archive (a 200)."""
+        path = f"/runs/{run_id}/checkpoints/{name}/archive"
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        if start and if_range:
+            headers["If-Range"] = if_range
+        try:
+            with self._http.stream("GET", path, headers=headers,
+                                   timeout=httpx.Timeout(self._timeout, read=600.0)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for_status(response, "GET", path)
+                yield response
+        except httpx.HTTPError as exc:
+            raise SwarmConnectionError(f"GET {path}: the download broke off ({exc}); run it "
+                                       "again to resume") from exc
+
+    def download_checkpoint(self, run_id: str, dest: str | os.PathLike[str], *,
+                            name: str | None = None) -> Path:
+        """Download a checkpoint into `dest/<name>`, resumable, verified against its
+        manifest of hashes (`ajet.checkpoint_download`). Default: the latest complete."""
+        from ajet.checkpoint_download import download_checkpoint
+
+        return download_checkpoint(self, run_id, Path(dest), name=name)
+
     def get_audit(self, *, offset: int = 0, limit: int = 100) -> AuditPage:
         return self._call("GET", "/audit", params={"offset": offset, "limit": limit},
                           model=AuditPage)
@@ -452,17 +492,7 @@ class SwarmClient(OriginalClientMixin):
                 f"{method} {path}: cannot reach swarm server at {self.server_url} ({exc}); "
                 "is `ajet-swarm start` running there?"
             ) from exc
-        if response.status_code >= 400:
-            detail: Any = response.text
-            hint = ""
-            try:
-                body = response.json()
-                if isinstance(body, dict):
-                    detail = body.get("detail", body)
-                    hint = str(body.get("hint", "") or "")
-            except ValueError:
-                pass
-            raise error_for_status(response.status_code, detail, hint, method=method, path=path)
+        _raise_for_status(response, method, path)
         return response
 
     def _ensure_local_server(self, *, workdir: Path, deadline_s: float,
@@ -525,3 +555,19 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # ValueError: blocked in sys.modules
         return False
+
+
+def _raise_for_status(response: httpx.Response, method: str, path: str) -> None:
+    """The server's error as the client's exception, with its detail and hint."""
+    if response.status_code < 400:
+        return
+    detail: Any = response.text
+    hint = ""
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            detail = body.get("detail", body)
+            hint = str(body.get("hint", "") or "")
+    except ValueError:
+        pass
+    raise error_for_status(response.status_code, detail, hint, method=method, path=path)

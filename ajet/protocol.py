@@ -153,6 +153,8 @@ class EngineStatus(BaseModel):
     snapshot_approval: ApprovalState = Field(
         default=ApprovalState.NOT_ENFORCED,
         description="Approval of the active code (the server's own code counts as approved)")
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where the current run's trackers write")
 
     # The original AgentJet server's keys, so its client (and scripts reading the dict of
     # `get_engine_status()`) find what they expect (docs/compat.md).
@@ -490,6 +492,42 @@ class RunPublic(BaseModel):
     last_checkpoint: str | None = Field(
         default=None, description="The run's last complete checkpoint directory (a later "
                                   "job's resume_from may name the run)")
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where each of the job's trackers writes (for "
+                                          "TensorBoard, the command to read it)")
+
+
+class CheckpointInfo(BaseModel):
+    name: str = Field(description="final, step_<n>, or either with .partial (incomplete)")
+    kind: Literal["step", "final"]
+    step: int | None = None
+    complete: bool = Field(description="Fully written (no .partial): the only kind to download")
+    files: int
+    bytes: int
+    lora: bool | None = Field(default=None, description="An adapter (with the base named in "
+                                                        "adapter_config.json), not full weights")
+    merged: bool = Field(default=False, description="Has merged/: the adapter merged into the "
+                                                    "base, a plain checkpoint")
+
+
+class CheckpointsPage(BaseModel):
+    run_id: str
+    checkpoints: list[CheckpointInfo]
+
+
+class CheckpointFileHash(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class CheckpointManifest(BaseModel):
+    run_id: str
+    name: str
+    files: list[CheckpointFileHash]
+    archive_bytes: int = Field(description="Size of GET .../archive (a tar, the same bytes "
+                                           "every time)")
+    etag: str = Field(description="Changes when any file does; send as If-Range to resume")
 
 
 class RunsPage(BaseModel):

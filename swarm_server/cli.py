@@ -4,6 +4,8 @@
     ajet-swarm status [--swarm-url URL]
     ajet-swarm stop   [--swarm-url URL]      # stops the engine, then the server
     ajet-swarm approvals list | show REF | approve REF | deny REF | revoke REF
+    ajet-swarm runs checkpoints RUN              # a run's checkpoints
+    ajet-swarm runs download RUN [--checkpoint NAME] DIR   # resumable, verified
 
 `start` writes `<workdir>/swarm_server.pid` (the pid and the process's start time) so that
 `stop` can find the process, and `stop` signals it only when that pid is still this
@@ -44,6 +46,17 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--swarm-url", default=_default_url())
         cmd.add_argument("--workdir", default=".", help="the server's workdir (for its pid file)")
+    runs = sub.add_parser("runs", help="a run's checkpoints, and downloading one "
+                                        "(control token from AJET_SWARM_TOKEN)")
+    runs.add_argument("--swarm-url", default=_default_url())
+    run_verbs = runs.add_subparsers(dest="verb", required=True)
+    listing = run_verbs.add_parser("checkpoints", help="list a run's checkpoints")
+    listing.add_argument("run", help="a run id, or 'current'")
+    download = run_verbs.add_parser("download", help="download a checkpoint into DIR/<name>")
+    download.add_argument("run", help="a run id, or 'current'")
+    download.add_argument("dir", help="the folder to download into")
+    download.add_argument("--checkpoint", default=None,
+                          help="final or step_<n> (default: the latest complete)")
     approvals = sub.add_parser(
         "approvals", help="review and decide pending code snapshots (AJET_SWARM_APPROVER_TOKEN)")
     approvals.add_argument("--swarm-url", default=_default_url())
@@ -87,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         from swarm_server.approval_cli import run_approvals
 
         return run_approvals(args)
+    if args.command == "runs":
+        return _runs(args)
     return _stop(args)
 
 
@@ -217,6 +232,27 @@ def _status(args: argparse.Namespace) -> int:
         sys.stderr.write(f"ajet-swarm: {exc}\n")
         return 1
     sys.stdout.write(json.dumps(status.model_dump(mode="json"), indent=2) + "\n")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from ajet.client import SwarmClient
+    from ajet.errors import SwarmError
+
+    try:
+        with SwarmClient(args.swarm_url, timeout=60) as client:
+            if args.verb == "checkpoints":
+                page = client.list_checkpoints(args.run)
+                for c in page.checkpoints:
+                    sys.stdout.write(f"{c.name:<20} step {c.step!s:<6} {c.bytes:>14,} bytes "
+                                     f"{c.files:>5} files {'complete' if c.complete else 'partial'}"
+                                     f"{' lora' if c.lora else ''}{' +merged' if c.merged else ''}\n")
+                return 0
+            path = client.download_checkpoint(args.run, args.dir, name=args.checkpoint)
+    except (SwarmError, FileExistsError) as exc:
+        sys.stderr.write(f"ajet-swarm: {exc}\n")
+        return 1
+    sys.stdout.write(f"{path}\n")
     return 0
 
 

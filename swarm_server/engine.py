@@ -68,7 +68,8 @@ from swarm_server.run_checkpoints import (
     resolve_resume,
     saves_in_progress,
 )
-from swarm_server.run_files import read_log_lines, read_metrics, summarize
+from swarm_server.run_files import read_log_lines, read_metrics, read_trackers, summarize
+from swarm_server.run_info import write_run_info
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -259,6 +260,7 @@ class EngineController:
             pid=pid,
             step=report.step if report else None,
             ajet_file=report.ajet_file if report else None,
+            trackers=read_trackers(run.run_dir) if run else {},
             has_config=bool(yaml_text),
             experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
             last_error=last_error,
@@ -518,6 +520,9 @@ class EngineController:
         try:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
+            write_run_info(run.run_dir, snapshot=snapshot,
+                           approval=self.approvals.state(snapshot.id if snapshot else SERVER_CODE),
+                           mlflow_tracking_uri=self.settings.mlflow_uri())
             run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
             log_path = run.run_dir / "engine.log"
             if base is not None:

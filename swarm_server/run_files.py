@@ -161,3 +161,15 @@ def _search(lines: list[str], pattern: LogPattern[str], budget_s: float) -> list
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
+
+
+def read_trackers(run_dir: Path) -> dict[str, str]:
+    """Where the run's trackers write, from the engine's `trackers.json` ({} without one)."""
+    try:
+        data = json.loads((run_dir / "trackers.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    places = data.get("trackers") if isinstance(data, dict) else None
+    if not isinstance(places, dict):
+        return {}
+    return {str(k)[:50]: str(v)[:1000] for k, v in list(places.items())[:10]}

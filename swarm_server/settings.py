@@ -117,6 +117,10 @@ class Settings(BaseSettings):
     max_stop_grace_s: float = Field(
         default=1800.0, ge=0,
         description="AJET_SWARM_MAX_STOP_GRACE_S: the most a job's stop_grace_s may ask")
+    #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
+    max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
+    #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db
+    mlflow_tracking_uri: str | None = Field(default=None, max_length=2000)
     status_poll_s: float = Field(default=0.1, gt=0)
     config_validate_timeout_s: float = Field(default=60.0, gt=0)
     warm_standby: bool = Field(
@@ -248,3 +252,8 @@ class Settings(BaseSettings):
     @property
     def ledger_path(self) -> Path:
         return self.workdir / "swarm.sqlite3"
+
+    def mlflow_uri(self) -> str:
+        """The MLflow tracking URI the engines use: the setting, or SQLite in the workdir
+        (MLflow 3 refuses the plain file store unless told to)."""
+        return self.mlflow_tracking_uri or f"sqlite:///{self.workdir.resolve() / 'mlflow.db'}"

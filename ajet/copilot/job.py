@@ -60,8 +60,6 @@ NO_EFFECT: dict[str, str] = {
     "project_name": "stored with the job; runs are grouped by experiment_name",
     "experiment_dir": "runs are written under the server's workdir (runs/<run_id>); "
                       "server_experiment_dir() says where",
-    "logging": "metrics go to the run's metrics.jsonl, served by GET /runs/{id}/metrics; "
-               "no tensorboard, wandb or swanlab logger",
     "tensor_model_parallel_size": "generation keeps one model copy per process; "
                                   "no tensor parallelism",
     "max_num_seqs": "the generation batch is a backend default "
@@ -261,8 +259,11 @@ class AgentJetJob(BaseModel):
                               description="Stored; no effect here (NO_EFFECT)")
     experiment_dir: str = Field(default_factory=_d("experiment_dir"), max_length=1000,
                                 description="Stored; no effect here (NO_EFFECT)")
-    logging: str = Field(default_factory=_d("logging"), max_length=100,
-                         description="Stored; no effect here (NO_EFFECT)")
+    logging: str | list[str] = Field(
+        default_factory=_d("logging"),
+        description="Experiment trackers that mirror every step's metrics: tensorboard, "
+                    "wandb, mlflow, swanlab (one, comma-separated, or a list); console = "
+                    "metrics.jsonl only (ajet/engine/tracking/trackers.py)")
     swarm_mode: bool = Field(default_factory=_d("swarm_mode"),
                              description="Must be true: this server trains in swarm mode only")
     swarm_mode_sample_collection_method: SampleCollectionMethod = Field(
@@ -341,6 +342,18 @@ class AgentJetJob(BaseModel):
             name = str(data.get("experiment_name") or _default("experiment_name"))
             data["experiment_name"] = f"{name}_{time.strftime('%Y%m%d-%H%M%S')}"
         return data
+
+    @field_validator("logging")
+    @classmethod
+    def _check_logging(cls, value: str | list[str]) -> str | list[str]:
+        from ajet.engine.tracking.trackers import parse_logging
+
+        if isinstance(value, list) and len(value) > 10:
+            raise ValueError("logging: at most 10 trackers")
+        if isinstance(value, str) and len(value) > 100:
+            raise ValueError("logging: at most 100 characters")
+        parse_logging(value)  # ValueError names an unknown tracker
+        return value
 
     @field_validator("backbone")
     @classmethod

@@ -30,6 +30,7 @@ import ajet
 from ajet.copilot.job import AgentJetJob, JobValidationError
 from ajet.copilot.model_defaults import resolve_job
 from ajet.engine.planning.memory_plan import plan_job
+from ajet.engine.tracking.trackers import missing_packages, parse_logging
 
 
 def check(text: str) -> dict[str, Any]:
@@ -58,6 +59,16 @@ def check(text: str) -> dict[str, Any]:
                             "memory": memory}],
                 "hint": (f"{plan.hint()}; or set memory_check: warn to start it anyway; "
                          "nothing was changed (the previous config stays)")}
+    missing = missing_packages(parse_logging(job.logging))
+    if missing:
+        installs = "; ".join(f"{name}: {install}" for name, install in missing)
+        return {"ok": False, "message": f"logging: the tracker package is not installed on "
+                f"the cluster: {', '.join(name for name, _ in missing)}", **where,
+                "errors": [{"loc": ["logging"], "type": "tracker_missing",
+                            "msg": f"{name} is not installed where the engine runs"}
+                           for name, _ in missing],
+                "hint": f"install it where the engine runs ({installs}), or drop it from "
+                        "logging; nothing was changed (the previous config stays)"}
     return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes() + chosen,
             "memory": memory, **where}
 

@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ajet.engine.learner import Learner
 
-__all__ = ["CHECKPOINT_FILE", "TRAINING_STATE_DIR", "generation_seed", "load_training_state",
-           "resume_training", "save_checkpoint", "step_checkpoint_dir"]
+__all__ = ["CHECKPOINT_FILE", "TRAINING_STATE_DIR", "generation_seed", "link_checkpoint",
+           "load_training_state", "resume_training", "save_checkpoint", "step_checkpoint_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,30 @@ def save_checkpoint(learner: Learner, target: Path, *, step: int, run_id: str | 
         log.info("checkpoint for step %d saved to %s", step, target)
     del state
     dist.barrier()  # every rank returns once the checkpoint is complete
+    return target
+
+
+def link_checkpoint(source: Path, target: Path) -> Path:
+    """`target` as a second name of the complete checkpoint `source`: the same files, hard
+    linked (no bytes written; copied where the file system cannot link), through
+    `<target>.partial` and a rename like any checkpoint. Rank 0 only."""
+    import os
+
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for path in sorted(source.rglob("*")):
+        dest = partial / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
     return target
 
 

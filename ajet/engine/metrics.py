@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ajet.engine.advantages import mean_std
 from ajet.engine.plane.episodes import Episode
@@ -85,16 +85,30 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
     return line
 
 
-class MetricsWriter:
-    """Appends one line per step to `<run_dir>/metrics.jsonl` and flushes it."""
+class Mirror(Protocol):
+    """Where else each line goes (the job's trackers, `ajet.engine.tracking`)."""
 
-    def __init__(self, path: Path) -> None:
+    def log(self, line: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Appends one line per step to `<run_dir>/metrics.jsonl`, flushes it, then mirrors
+    it to the trackers (which never fail the write: they turn themselves off)."""
+
+    def __init__(self, path: Path, mirror: Mirror | None = None) -> None:
         self.path = path
+        self.mirror = mirror
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
 
     def write(self, line: dict[str, Any]) -> None:
         self._file.write(json.dumps(line, allow_nan=False, default=float) + "\n")
         self._file.flush()
+        if self.mirror is not None:
+            self.mirror.log(line)
 
     def close(self) -> None:
         self._file.close()
+        if self.mirror is not None:
+            self.mirror.close()

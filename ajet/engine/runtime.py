@@ -33,7 +33,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
+    from ajet.copilot.job import AgentJetJob
     from ajet.engine.config import EngineConfig
+    from ajet.engine.tracking.trackers import TrackerSet
     from ajet.engine.generation.interface import Generator
     from ajet.engine.policy import Policy
 
@@ -199,7 +201,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
         plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
         plane.set_policy(policy, routed or local)
-        metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        metrics = MetricsWriter(run_dir / "metrics.jsonl",
+                                mirror=start_trackers(job, run_dir, run_id=args.run_id,
+                                                      workdir=args.workdir, plane_info=plane.info))
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
@@ -228,6 +232,28 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workdir: Path,
+                   plane_info: dict[str, object]) -> TrackerSet | None:
+    """The job's `logging` trackers (rank 0), and where they write: `trackers.json` in the
+    run directory (the server shows it with the run) and the engine's status info."""
+    from ajet.engine.tracking.trackers import RunInfo, open_trackers, parse_logging, \
+        tracker_locations
+
+    names = parse_logging(job.logging)
+    if not names:
+        return None
+    info = RunInfo.load(run_dir, run_id=run_id or run_dir.name,
+                        experiment_name=job.experiment_name,
+                        config=job.model_dump(mode="json"), workdir=workdir.resolve())
+    trackers = open_trackers(names, info)
+    places = tracker_locations([t.name for t in trackers.trackers], run_dir,
+                               mlflow_uri=info.mlflow_uri)
+    report = {"trackers": places, "failed": trackers.failed}
+    (run_dir / "trackers.json").write_text(json.dumps(report, indent=1))
+    plane_info["trackers"] = places
+    return trackers
 
 
 def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = None

@@ -14,8 +14,8 @@ One step, top to bottom (docs/internals.md):
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
 lets an update that has begun finish; the caller then calls `finish`, which writes the
-final checkpoint (or, when the last step was just saved, points `final/` at that
-checkpoint instead of writing the same state twice). A resumed run (`start_step` > 0)
+final checkpoint (or, when the last step was just saved, makes `final/` hard links to
+that checkpoint's files instead of writing the same state twice). A resumed run (`start_step` > 0)
 counts its steps on from the checkpoint's; `max_steps` counts from the first run.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
@@ -38,7 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ajet.engine.advantages import grpo_advantages
-from ajet.engine.checkpoints import CHECKPOINT_FILE, save_checkpoint, step_checkpoint_dir
+from ajet.engine.checkpoints import (
+    CHECKPOINT_FILE,
+    link_checkpoint,
+    save_checkpoint,
+    step_checkpoint_dir,
+)
 from ajet.engine.config import EngineConfig
 from ajet.engine.parallel.distributed import Dist
 from ajet.engine.plane.episodes import EpisodeRegistry, Group
@@ -146,10 +151,8 @@ def finish(parts: TrainerParts, steps: int) -> None:
     final, last = parts.run_dir / "final", step_checkpoint_dir(parts.run_dir, steps)
     if steps > parts.start_step and (last / CHECKPOINT_FILE).is_file():
         # the last step was saved a moment ago: final/ is that checkpoint, not a copy
-        if final.is_symlink() or final.exists():
-            final.unlink()
-        final.symlink_to(last.relative_to(parts.run_dir))
-        log.info("final checkpoint: step %d, already saved in %s", steps, last)
+        link_checkpoint(last, final)
+        log.info("final checkpoint: step %d, the files of %s", steps, last)
     else:
         checkpoint(parts, final, steps)
     parts.dist.broadcast(("stop", None))

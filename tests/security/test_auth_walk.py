@@ -42,6 +42,9 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/runs/{run_id}"): READER,
     ("GET", "/runs/{run_id}/metrics"): READER,
     ("GET", "/runs/{run_id}/logs"): READER,
+    ("GET", "/runs/{run_id}/checkpoints"): READER,
+    ("GET", "/runs/{run_id}/checkpoints/{name}"): CONTROL,
+    ("GET", "/runs/{run_id}/checkpoints/{name}/archive"): CONTROL,
     ("POST", "/begin_episode"): READER,
     # the original AgentJet's own routes (swarm_server/routes/original.py)
     ("POST", "/claim_episode"): READER,

@@ -133,6 +133,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        #: transformers renders control tokens in messages as text itself (5.2x and later)
+        self.sanitizes = _has_sanitize(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         own = getattr(tokenizer, "response_template", None)
         if own is not None:
@@ -169,14 +171,56 @@ class ChatFormat:
     def _apply(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any]) -> list[int]:
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                chat, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-                sanitize_control_tokens=True, **kwargs)
+            if self.sanitizes:
+                encoded = self.tokenizer.apply_chat_template(
+                    chat, tools=tools, add_generation_prompt=True, tokenize=True,
+                    return_dict=True, sanitize_control_tokens=True, **kwargs)
+                return [int(i) for i in encoded["input_ids"]]
+            return self._apply_marked(chat, tools, kwargs)
         except Exception as exc:  # jinja's TemplateError and whatever the template raises
             raise FormatError(f"the model's chat template cannot render these messages: {exc}",
                               "send messages in the roles and shapes the template accepts",
                               param="messages") from exc
-        return [int(i) for i in encoded["input_ids"]]
+
+    def _apply_marked(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      kwargs: dict[str, Any]) -> list[int]:
+        """`sanitize_control_tokens` for transformers releases without it (before 5.2x):
+        control tokens inside the messages and tools become one private-use character
+        each, the template renders, and those characters are encoded back as the control
+        token's text, never as the token; only the template's own control tokens stay
+        tokens."""
+        tok = self.tokenizer
+        controls = sorted({*tok.all_special_tokens,
+                           *(t.content for t in tok.added_tokens_decoder.values())},
+                          key=len, reverse=True)
+        marks = {control: chr(_MARK_BASE + i) for i, control in enumerate(controls)}
+        unmark = {mark: control for control, mark in marks.items()}
+        pattern = re.compile("|".join(re.escape(c) for c in controls)) if controls else None
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, str):
+                if any(ch in unmark for ch in value):
+                    raise ValueError("the messages hold characters from the private-use "
+                                     f"range U+{_MARK_BASE:X}.. that this server reserves")
+                return pattern.sub(lambda m: marks[m.group(0)], value) if pattern else value
+            if isinstance(value, list):
+                return [mark(v) for v in value]
+            if isinstance(value, dict):
+                return {k: mark(v) for k, v in value.items()}
+            return value
+
+        text = tok.apply_chat_template(mark(chat), tools=mark(tools), add_generation_prompt=True,
+                                       tokenize=False, **kwargs)
+        ids: list[int] = []
+        for piece in re.split(f"([{''.join(unmark)}])", text) if unmark else [text]:
+            if not piece:
+                continue
+            if piece in unmark:
+                ids += tok(unmark[piece], add_special_tokens=False,
+                           split_special_tokens=True)["input_ids"]
+            else:
+                ids += tok(piece, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
 
     # ------------------------------------------------------------------ parsing
 
@@ -340,3 +384,15 @@ def _parse_qwen25_blocks(text: str) -> dict[str, Any]:  # pragma: no cover - old
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
+
+
+#: First of the private-use characters that stand for control tokens while a chat
+#: renders without `sanitize_control_tokens` (supplementary private-use area A).
+_MARK_BASE = 0xF0000
+
+
+def _has_sanitize(tokenizer: Any) -> bool:
+    """Whether this transformers' `apply_chat_template` takes `sanitize_control_tokens`."""
+    import inspect
+
+    return "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters
