@@ -7,7 +7,7 @@ snapshot, so a researcher who patches a default here changes the next run.
 
 This module imports no torch: the caller passes what the machine has
 (`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere. Nor does it
-import the job model (pydantic, yaml) until `load_engine_config` reads a YAML file:
+import the job model (pydantic, yaml) until `runtime.load_engine_config` reads a YAML file:
 `engine_config_from_job` reads the job's fields by name, so `bench/gpu_check.py` builds
 an `EngineConfig` on a host with only torch, transformers and peft.
 """
@@ -29,7 +29,6 @@ __all__ = [
     "describe",
     "engine_config_from_job",
     "episodes_in_flight",
-    "load_engine_config",
 ]
 
 
@@ -239,18 +238,6 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         timeline_compare_level=job.timeline_compare_level,
         train_agents=tuple(job.train_agents),
     )
-
-
-def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tuple[AgentJetJob,
-                                                                                    EngineConfig]:
-    """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
-    from ajet.copilot.job import AgentJetJob
-    from ajet.copilot.model_defaults import resolve_job
-
-    # a validated job has every field written out; a hand-written one gets the model's
-    # defaults here, as the server's validator would have chosen them
-    job, _ = resolve_job(AgentJetJob.load_yaml(path))
-    return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 
 
 def describe(cfg: EngineConfig) -> dict[str, Any]:

@@ -144,7 +144,6 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
     from ajet.engine.transport.unix_server import ChannelServer
     from ajet.engine.plane.app import create_channel_app
     from ajet.engine.plane.episode_plane import EpisodePlane
-    from ajet.engine.config import load_engine_config
     from ajet.engine.parallel.distributed import (
         Dist,
         group_store,
@@ -268,6 +267,19 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
             dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int
+                       ) -> tuple[AgentJetJob, EngineConfig]:
+    """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields), with
+    the model's defaults where the file leaves fields unset, as the server's validator
+    chooses them (a validated job has every field written out; a hand-written one not)."""
+    from ajet.copilot.job import AgentJetJob
+    from ajet.copilot.model_defaults import resolve_job
+    from ajet.engine.config import engine_config_from_job
+
+    job, _ = resolve_job(AgentJetJob.load_yaml(path))
+    return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 
 
 def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workdir: Path,

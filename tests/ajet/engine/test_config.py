@@ -8,7 +8,8 @@ import pytest
 
 from ajet.copilot.job import AgentJetJob
 from ajet.copilot.model_defaults import resolve_job
-from ajet.engine.config import BackendDefaults, engine_config_from_job, load_engine_config
+from ajet.engine.config import BackendDefaults, engine_config_from_job
+from ajet.engine.runtime import load_engine_config
 
 
 def test_cpu_job_gets_fp32_and_slots_for_one_batch() -> None:
