@@ -457,7 +457,7 @@ def test_backticks_in_a_docstring_are_not_boxed(browser: Browser, live: Live) ->
 def test_the_runs_chart_has_round_ticks(browser: Browser, live: Live, shots: Path) -> None:
     page = _console(browser, live, 1280)
     page.goto(f"/ui/runs?run={live.run_id}&metric=reward_mean")
-    ticks = page.locator("#chart text.ytick").all_inner_texts()
+    ticks = page.locator("#chart text.ytick").evaluate_all("ts => ts.map(t => t.textContent)")
     assert ticks == ["0.3", "0.4", "0.5", "0.6"], ticks
     chart = page.locator("#chart svg")
     assert chart.get_attribute("role") == "img"
