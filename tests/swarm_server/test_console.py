@@ -395,6 +395,11 @@ def test_pending_rows_tell_requests_apart(browser: Browser, live: Live, shots: P
     assert newer.locator(".uploader").inner_text() == "control"
     assert "by the control token" in b
     page.screenshot(path=str(shots / "look-pending.png"), full_page=True)
+    # on a phone each row's changes are in view, not scrolled off to the right
+    phone = _console(browser, live, 420)
+    files = phone.locator(f"#pending tr[data-snapshot='{live.pending[0]}'] ul.files").bounding_box()
+    assert files is not None and files["x"] + files["width"] <= 420, files
+    phone.screenshot(path=str(shots / "look-pending-420.png"), full_page=True)
 
 
 def test_approve_and_deny_look_apart_and_so_do_notices(browser: Browser, live: Live,
