@@ -470,6 +470,32 @@ def test_the_runs_chart_has_round_ticks(browser: Browser, live: Live, shots: Pat
     page.locator("#chart").screenshot(path=str(shots / "look-chart.png"))
 
 
+def test_sign_in_and_deny_with_the_keyboard_alone(browser: Browser, live: Live,
+                                                  shots: Path) -> None:
+    page = browser.new_context(base_url=live.url, viewport={"width": 420, "height": 900}
+                               ).new_page()
+    page.goto("/ui/login")
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.id") == "token"
+    page.keyboard.type(APPROVER_TOKEN)
+    page.keyboard.press("Enter")
+    page.wait_for_url("**/ui/approvals")
+    page.goto(f"/ui/snapshots/{live.reviewed}")
+    page.focus("#confirm")
+    page.keyboard.type(live.reviewed[:12])
+    for expected in ("note", "approve", "deny"):
+        page.keyboard.press("Tab")
+        assert page.evaluate("document.activeElement.id") == expected
+    # the focused button shows it has the focus
+    outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+    assert outline not in ("", "none"), outline
+    page.screenshot(path=str(shots / "look-keyboard-focus.png"))
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#message")
+    assert "decision recorded: denied" in page.inner_text("#message")
+    assert "notice-success" in (page.get_attribute("#message", "class") or "")
+
+
 # ---------------------------------------------------------------------------- no browser
 
 
