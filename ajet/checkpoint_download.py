@@ -18,20 +18,33 @@ import hashlib
 import logging
 import shutil
 import tarfile
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
+
+import httpx
 
 from ajet.errors import SwarmError
 from ajet.protocol import CheckpointManifest, CheckpointsPage
 
-if TYPE_CHECKING:
-    from ajet.client import SwarmClient
-
-__all__ = ["download_checkpoint", "latest_complete"]
+__all__ = ["CheckpointSource", "download_checkpoint", "latest_complete"]
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 1 << 20
+
+
+class CheckpointSource(Protocol):
+    """The three calls a download needs; `ajet.client.SwarmClient` has them (this module
+    does not import it, as `SwarmClient.download_checkpoint` calls this one)."""
+
+    def list_checkpoints(self, run_id: str = "current") -> CheckpointsPage: ...
+
+    def checkpoint_manifest(self, run_id: str, name: str) -> CheckpointManifest: ...
+
+    def open_checkpoint_archive(self, run_id: str, name: str, *, start: int = 0,
+                                if_range: str | None = None
+                                ) -> AbstractContextManager[httpx.Response]: ...
 
 
 class DownloadError(SwarmError):
@@ -48,7 +61,7 @@ def latest_complete(page: CheckpointsPage) -> str:
     return (final or sorted(complete, key=lambda c: c.step or 0))[-1].name
 
 
-def download_checkpoint(client: SwarmClient, run_id: str, dest: Path, *,
+def download_checkpoint(client: CheckpointSource, run_id: str, dest: Path, *,
                         name: str | None = None) -> Path:
     """See the module docstring; returns `<dest>/<name>`."""
     page = client.list_checkpoints(run_id)
@@ -93,7 +106,7 @@ def download_checkpoint(client: SwarmClient, run_id: str, dest: Path, *,
     return target
 
 
-def _fetch(client: SwarmClient, run_id: str, name: str, part: Path, *, start: int,
+def _fetch(client: CheckpointSource, run_id: str, name: str, part: Path, *, start: int,
            etag: str) -> None:
     with client.open_checkpoint_archive(run_id, name, start=start, if_range=etag) as response:
         mode = "ab" if response.status_code == 206 else "wb"

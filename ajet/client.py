@@ -1,15 +1,13 @@
 """`SwarmClient`: the synchronous Python client of the swarm server's HTTP API.
 
-Small typed surface, private helpers behind it (httpx's model). Every request has a
-timeout, every wait a deadline; server errors become `ajet.errors.SwarmHTTPError`
-subclasses carrying the server's `detail` and `hint`.
+Small typed surface, one name per action, private helpers behind it (httpx's model).
+Every request has a timeout, every wait a deadline; server errors become
+`ajet.errors.SwarmHTTPError` subclasses carrying the server's `detail` and `hint`.
 
-The same class carries the original AgentJet client's methods (`get_engine_status`,
-`begin_episode`, `end_episode`, ...) with their original meaning, from
-`ajet.original_client.OriginalClientMixin`, which builds them on the typed calls here
-(docs/compat.md lists both sets of names).
-
-Compatibility path: `from ajet.tuner_lib.experimental.swarm_client import SwarmClient`.
+The original AgentJet client's methods (`get_engine_status`, `begin_episode`, ...) are
+not here: `ajet.tuner_lib.experimental.swarm_client.SwarmClient` (ajet/compat/client.py)
+is this class plus those methods, for scripts written for the original (docs/compat.md
+says which to use when).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import httpx
 from pydantic import BaseModel
 
 from ajet.copilot.job import AgentJetJob
-from ajet.original_client import OriginalClientMixin, RetryPolicy
 from ajet.errors import (
     EngineStateConflict,
     SwarmConnectionError,
@@ -44,9 +41,11 @@ from ajet.protocol import (
     ApprovalsPage,
     AuditPage,
     BeginEpisodeResponse,
+    BlobsUploaded,
     CheckpointManifest,
     CheckpointsPage,
     CodeSyncResult,
+    CommitRequest,
     ConfigAccepted,
     EndEpisodeResponse,
     EngineState,
@@ -60,6 +59,7 @@ from ajet.protocol import (
     ReviewPage,
     RunPublic,
     RunsPage,
+    SamplesPage,
     ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
@@ -76,35 +76,30 @@ _M = TypeVar("_M", bound=BaseModel)
 #: States in which the engine serves episodes.
 SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING)
 _LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+#: Longest wait for one blob batch or commit of a code sync (large trees, slow links).
+_UPLOAD_TIMEOUT_S = 300.0
 
 
-class SwarmClient(OriginalClientMixin):
+class SwarmClient:
     """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
 
     `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
-    `retry` sets the back-offs and deadlines of the original AgentJet methods.
     """
 
     def __init__(
         self,
         server_url: str,
-        verbose: bool = True,
-        agentjet_job: AgentJetJob | None = None,
-        auto_start_swarm_server: bool = False,
         *,
+        auto_start_swarm_server: bool = False,
         token: str | None = None,
         timeout: float = 30.0,
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
-        retry: RetryPolicy | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
-        #: the original client's switches: chatty progress logs, and the last job sent
-        self.verbose = verbose
-        self._agentjet_job = agentjet_job
         if token is None:
             token = os.environ.get("AJET_SWARM_TOKEN") or os.environ.get("AJET_SWARM_WORKER_TOKEN")
         self._token = token or None
@@ -113,7 +108,6 @@ class SwarmClient(OriginalClientMixin):
         self._server_log: Path | None = None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
-        self._init_original(retry)
         if auto_start_swarm_server:
             self._ensure_local_server(
                 workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),
@@ -125,7 +119,6 @@ class SwarmClient(OriginalClientMixin):
 
     def close(self) -> None:
         """Close the connection; stop the server if this client started it."""
-        self._close_original()
         self._http.close()
         proc, self._server_process = self._server_process, None
         if proc is not None and proc.poll() is None:
@@ -281,6 +274,18 @@ class SwarmClient(OriginalClientMixin):
                 "provenance": (provenance or Provenance()).model_dump(mode="json")}
         return self._call("POST", "/code/manifest", json=body, model=ManifestResponse)
 
+    def upload_blob_batch(self, records: bytes) -> BlobsUploaded:
+        """Store blobs: `records` is `<sha256> <size>\\n` then `size` bytes, per blob;
+        the server verifies each hash (`ajet.code_sync.upload_blobs` builds the batches)."""
+        return self._call("POST", "/code/blobs", content=records,
+                          headers={"Content-Type": "application/octet-stream"},
+                          model=BlobsUploaded, timeout=max(self._timeout, _UPLOAD_TIMEOUT_S))
+
+    def commit_snapshot(self, request: CommitRequest) -> CodeSyncResult:
+        """Make a snapshot of blobs the server holds and (with `activate`) run on it."""
+        return self._call("POST", "/code/commit", json=request.model_dump(mode="json"),
+                          model=CodeSyncResult, timeout=max(self._timeout, _UPLOAD_TIMEOUT_S))
+
     def list_snapshots(self) -> SnapshotsPage:
         return self._call("GET", "/code/snapshots", model=SnapshotsPage)
 
@@ -363,6 +368,14 @@ class SwarmClient(OriginalClientMixin):
         if max_points is not None:
             params["max_points"] = max_points
         return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
+
+    def get_samples(self, step: int, run_id: str = "current", *, offset: int = 0,
+                    limit: int = 20) -> SamplesPage:
+        """One page of a training step's samples (token ids, text, loss mask, log-probs,
+        the completions each merged); `next_offset` names the next page."""
+        return self._call("GET", f"/runs/{run_id}/samples",
+                          params={"step": step, "offset": offset, "limit": limit},
+                          model=SamplesPage)
 
     def get_run_logs(self, run_id: str = "current", *, tail: int = 100,
                      grep: str | None = None, regex: bool = False) -> LogsResponse:

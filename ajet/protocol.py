@@ -15,6 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 __all__ = [
     "AbortEpisodeRequest",
     "ActivateRequest",
+    "AgreeSyncWeightRequest",
     "ApprovalDecisionPublic",
     "ApprovalDecisionRequest",
     "ApprovalState",
@@ -29,6 +30,7 @@ __all__ = [
     "BeginEpisodeRequest",
     "BeginEpisodeResponse",
     "BlobsUploaded",
+    "CanContinueEpisodeRequest",
     "CodeSyncResult",
     "CommitRequest",
     "ConfigAccepted",
@@ -51,6 +53,8 @@ __all__ = [
     "RunPublic",
     "RunsPage",
     "SERVER_CODE",
+    "SamplePublic",
+    "SamplesPage",
     "SnapshotPublic",
     "SnapshotsPage",
     "StartEngineRequest",
@@ -534,6 +538,36 @@ class MetricsResponse(BaseModel):
     downsampled: bool = False
 
 
+class SamplePublic(BaseModel):
+    """One training sample of a step: a timeline of one agent in one episode."""
+
+    episode_uuid: str
+    task_id: str | None = None
+    agent: str = ""
+    advantage: float
+    reward: float | None = None
+    #: indices (in the episode's completions, in the order served) of the calls merged
+    completions: list[int]
+    token_ids: list[int]
+    #: the tokens decoded (special tokens kept); None when the engine had no tokenizer
+    text: str | None = None
+    #: 1 on the sampled tokens trained here, 0 on prompt, tool and template tokens
+    loss_mask: list[int]
+    #: the sampling log-prob at each trained position, 0.0 elsewhere
+    logprobs: list[float]
+
+
+class SamplesPage(BaseModel):
+    run_id: str
+    step: int
+    samples: list[SamplePublic]
+    #: samples in the step
+    total: int
+    offset: int
+    #: where the next page starts; None when this page ends the step
+    next_offset: int | None = None
+
+
 class LogsResponse(BaseModel):
     run_id: str
     lines: list[str]
@@ -610,6 +644,19 @@ class AbortEpisodeRequest(_Model):
     client_uuid: str | None = Field(default=None, max_length=100,
                                     description="Must match the claiming client, if it named one")
     declare_client_active: bool = True
+
+
+class CanContinueEpisodeRequest(_Model):
+    """`POST /can_continue_episode`: is the episode still claimed by this client?"""
+
+    client_uuid: str = Field(max_length=100)
+    episode_uuid: str = Field(max_length=100)
+
+
+class AgreeSyncWeightRequest(_Model):
+    """`POST /agree_sync_weight`: this client agrees to the next update."""
+
+    client_uuid: str = Field(max_length=100)
 
 
 # ---------------------------------------------------------------------------- engine

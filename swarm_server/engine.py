@@ -624,8 +624,12 @@ class EngineController:
     def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
                 ) -> None:
         """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
-        if self.engine_user is not None and not run.finished and run.run_dir.is_dir():
-            self.engine_user.seal_run_dir(run.run_dir)  # its processes are gone by now
+        if self.engine_user is not None and not run.finished:
+            # what escaped the process group goes too, before the folder is sealed
+            standby = self._standby.pid if self._standby is not None else None
+            self.engine_user.stop_strays(keep={standby} if standby else set())
+            if run.run_dir.is_dir():
+                self.engine_user.seal_run_dir(run.run_dir)
         points = read_metrics(run.run_dir / "metrics.jsonl")
         tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
                                     redact=self.settings.secret_values())

@@ -15,6 +15,9 @@ that user (`popen_kwargs`: `user`, `group`, no supplementary groups, umask 027),
   folder goes back to the server's user, read-only to the group (`seal_run_dir`), so a
   later engine cannot rewrite its record; blobs, uploads in progress and the bytecode
   cache stay the server's alone;
+- when a run ends, every process of that user but the warm standby is stopped
+  (`stop_strays`: a daemon the engine started outside its process group does not
+  outlive its run, nor a revocation), so the user must be a dedicated one per server;
 - at start `check` runs the engine's interpreter as that user, reads a file placed where
   snapshots live and writes one where runs live, and refuses to start otherwise, with the
   reason (an interpreter under a 0700 home directory, such as root's pyenv, is the usual
@@ -25,6 +28,7 @@ Switching users needs a server that may do it: root (or CAP_SETUID and CAP_SETGI
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
@@ -34,6 +38,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from swarm_server.errors import StartupRefused
 from swarm_server.settings import Settings
@@ -66,31 +72,23 @@ class EngineUser:
     # ------------------------------------------------------------------ sharing
 
     def share(self, path: Path, mode: int) -> None:
-        """Give `path` to the engine's group with `mode` (symlinks never followed)."""
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            return
-        if stat.S_ISLNK(st.st_mode):
-            return
-        if st.st_gid != self.gid:
-            os.chown(path, -1, self.gid, follow_symlinks=False)
-        if stat.S_IMODE(st.st_mode) != mode:
-            os.chmod(path, mode)
+        """Give `path` to the engine's group with `mode`; a symlink is never followed."""
+        _set_owner(None, str(path), -1, self.gid, mode)
 
-    def share_tree(self, root: Path, *, dir_mode: int, file_mode: int) -> None:
-        """`share` on `root` and everything under it; executables keep group x."""
-        self.share(root, dir_mode)
-        for here, dirs, files in os.walk(root):
-            for name in dirs:
-                self.share(Path(here) / name, dir_mode)
+    def share_tree(self, root: Path, *, dir_mode: int, file_mode: int,
+                   uid: int = -1) -> None:
+        """`share` on `root` and everything under it (executables keep their x bits).
+
+        Walked by directory descriptors (`os.fwalk`) and opened with `O_NOFOLLOW`, so an
+        engine that swaps a file or a folder for a symlink meanwhile cannot make the
+        server change the mode of anything outside `root`.
+        """
+        if not root.is_dir() or root.is_symlink():
+            return
+        for _, _, files, dir_fd in os.fwalk(root, follow_symlinks=False):
+            _set_fd(dir_fd, uid, self.gid, dir_mode)
             for name in files:
-                path = Path(here) / name
-                try:
-                    executable = path.lstat().st_mode & 0o100
-                except FileNotFoundError:
-                    continue
-                self.share(path, file_mode | (0o110 if executable else 0))
+                _set_owner(dir_fd, name, uid, self.gid, file_mode, keep_exec=True)
 
     def share_snapshot(self, folder: Path) -> None:
         """A snapshot's folder (`ajet_temp/<name>`): the engine reads, never writes."""
@@ -107,18 +105,30 @@ class EngineUser:
     def seal_run_dir(self, run_dir: Path) -> None:
         """A finished run's folder back to the server's user, read-only to the group:
         the engines of later runs must not rewrite the record of this one."""
-        me = os.geteuid()
-        for here, dirs, files in os.walk(run_dir):
-            for path, mode in ([(Path(here), 0o750)] + [(Path(here) / f, 0o640) for f in files]):
+        try:
+            self.share_tree(run_dir, dir_mode=0o750, file_mode=0o640, uid=os.geteuid())
+        except OSError as exc:
+            log.warning("could not seal %s after its run: %s", run_dir, exc)
+
+    def stop_strays(self, *, keep: set[int]) -> list[int]:
+        """SIGKILL every process of this user but `keep` (the warm standby): what the
+        engine started outside its process group (a daemon, `setsid`) must not outlive
+        its run, nor a revocation. One engine user per server: this stops all of its."""
+        stopped = []
+        for proc in psutil.process_iter(["pid", "uids"]):
+            uids = proc.info.get("uids")
+            if uids is None or proc.info["pid"] in keep:
+                continue
+            if self.uid in (uids.real, uids.effective):
                 try:
-                    if path.is_symlink():
-                        path.unlink()  # the engine's, pointing anywhere: not part of a record
-                        continue
-                    os.chown(path, me, self.gid, follow_symlinks=False)
-                    os.chmod(path, mode)
-                except OSError as exc:
-                    log.warning("could not seal %s after its run: %s", path, exc)
-            dirs[:] = [d for d in dirs if not (Path(here) / d).is_symlink()]
+                    proc.kill()
+                    stopped.append(proc.info["pid"])
+                except psutil.Error:
+                    continue
+        if stopped:
+            log.warning("stopped %d process(es) of engine user %s left after its run: %s",
+                        len(stopped), self.name, stopped)
+        return stopped
 
     def share_workdir(self, settings: Settings) -> None:
         """The folders the engine needs, at start (after the start-up tightening)."""
@@ -183,6 +193,38 @@ class EngineUser:
                 "folder above it")
         log.info("engine processes run as user %s (uid %d, group %d)", self.name, self.uid,
                  self.gid)
+
+
+def _set_owner(dir_fd: int | None, name: str, uid: int, gid: int, mode: int, *,
+               keep_exec: bool = False) -> None:
+    """chown/chmod one regular file or folder through a descriptor opened without
+    following a symlink (relative to `dir_fd`); a symlink, socket or FIFO is left alone."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a symlink; a socket
+            return
+        raise
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            return
+        if keep_exec and stat.S_ISREG(st.st_mode) and st.st_mode & 0o100:
+            mode |= 0o110
+        _set_fd(fd, uid, gid, mode, st)
+    finally:
+        os.close(fd)
+
+
+def _set_fd(fd: int, uid: int, gid: int, mode: int, st: os.stat_result | None = None) -> None:
+    st = st or os.fstat(fd)
+    if st.st_gid != gid or (uid != -1 and st.st_uid != uid):
+        os.fchown(fd, uid, gid)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.fchmod(fd, mode)
 
 
 def resolve_engine_user(settings: Settings) -> EngineUser | None:

@@ -1,4 +1,5 @@
-"""Reading a run directory: `metrics.jsonl` (points, summary, downsampling) and `engine.log`.
+"""Reading a run directory: `metrics.jsonl` (points, summary, downsampling), `engine.log`,
+and each step's training samples (`samples/samples-<step>.jsonl`).
 
 The engine writes these files (docs/internals.md, "Files in the run dir"); the server
 only reads them, at the end of a run (summary into the ledger) and on every API read.
@@ -32,6 +33,8 @@ __all__ = [
     "read_log_lines",
     "redact_secrets",
     "read_metrics",
+    "read_samples",
+    "sample_steps",
     "summarize",
 ]
 
@@ -63,6 +66,47 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if isinstance(point, dict) and isinstance(point.get("step"), int):
             points.append(point)
     return points
+
+
+def read_samples(path: Path, *, offset: int, limit: int, max_bytes: int
+                 ) -> tuple[list[dict[str, Any]], int, int | None]:
+    """One page of a step's samples file: (samples, total, next offset or None).
+
+    The file is read line by line, never whole; a page ends at `limit` samples or once
+    it holds `max_bytes` of them (it always holds one, if any is left). Raises
+    `FileNotFoundError` when the step has no samples file.
+    """
+    page: list[dict[str, Any]] = []
+    size = total = 0
+    next_offset: int | None = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            index = total
+            total += 1
+            if index < offset or next_offset is not None:
+                continue
+            if len(page) >= limit or (page and size + len(line) > max_bytes):
+                next_offset = index
+                continue
+            try:
+                sample = json.loads(line)
+            except ValueError:
+                continue  # damaged line: skipped like a metrics line
+            page.append(sample)
+            size += len(line)
+    return page, total, next_offset
+
+
+def sample_steps(folder: Path) -> list[int]:
+    """Steps that have a samples file, ascending."""
+    steps = []
+    for path in folder.glob("samples-*.jsonl"):
+        number = path.stem.removeprefix("samples-")
+        if number.isdigit():
+            steps.append(int(number))
+    return sorted(steps)
 
 
 def summarize(points: Iterable[dict[str, Any]],

@@ -12,7 +12,7 @@ returned as `notes` when the server accepts the job), or is refused with the rea
 (`backbone="trinity"`, `swarm_mode=False`, `use_kl_in_reward=True`); docs/compat.md
 has the table. Two YAML forms are read: this project's flat one (`to_yaml`,
 `from_yaml`) and the original's nested `ajet:` tree (`job.config`, `dump_job_as_yaml`,
-`build_job_from_yaml`), converted by `ajet.copilot.nested_config`. Keys of the nested
+`build_job_from_yaml`), converted by `ajet.compat.nested_config`. Keys of the nested
 tree with no meaning here are kept in `nested_extras` and listed, never dropped.
 """
 
@@ -39,7 +39,8 @@ from pydantic import (
     model_validator,
 )
 
-from ajet.copilot import nested_config
+# A boundary import: the job reads and writes the original's nested YAML too
+from ajet.compat import nested_config
 
 __all__ = ["LORA_LR_SCALE", "NO_EFFECT", "AgentJetJob", "JobValidationError",
            "default_job_values"]
@@ -70,7 +71,6 @@ NO_EFFECT: dict[str, str] = {
     "compute_madness_checklist": "no madness checks run; rewards are taken as sent",
     "val_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
     "train_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
-    "timeline_compare_level": "no context tracker: every completion is its own sample",
 }
 
 #: Nested keys listed one by one in the notes; the rest are counted.
@@ -273,7 +273,19 @@ class AgentJetJob(BaseModel):
     train_print_to_markdown_file_path: str | None = Field(
         default_factory=_d("train_print_to_markdown_file_path"), max_length=1000)
     timeline_compare_level: Literal["text", "token"] = Field(
-        default_factory=_d("timeline_compare_level"))
+        default_factory=_d("timeline_compare_level"),
+        description="How an episode's calls merge into one timeline: 'token' (the history "
+                    "between re-sent replies must match token for token) or 'text' (as "
+                    "messages; the later call's tokens are kept where they differ)")
+    timeline_merging: bool = Field(
+        default_factory=_d("timeline_merging"),
+        description="Merge calls that extend each other into one sample (false: one sample "
+                    "per completion)")
+    train_agents: list[str] = Field(
+        default_factory=_d("train_agents"), max_length=100,
+        validation_alias=AliasChoices("train_agents", "trainable_targets"),
+        description="Agent names to train: the `model` each request names. Empty: all. "
+                    "Calls under other names are served, never trained (side calls)")
     nested_extras: dict[str, Any] = Field(
         default_factory=_d("nested_extras"),
         description="Keys of the original's nested YAML with no meaning here, kept as given")

@@ -1,7 +1,7 @@
 """`python -m ajet.copilot.validate`: validate a job YAML read from stdin.
 
 Both forms are read: this project's flat YAML and the original AgentJet's nested `ajet:`
-tree (converted by `ajet.copilot.nested_config`), so the conversion, too, runs from the
+tree (converted by `ajet.compat.nested_config`), so the conversion, too, runs from the
 active snapshot. `notes` lists settings accepted without effect here.
 
 After the fields, the memory planner (`ajet/engine/planning/memory_plan.py`, no torch) estimates

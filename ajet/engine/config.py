@@ -131,6 +131,13 @@ class EngineConfig:
     sweep_interval_s: float
     #: byte bound of a chat body (BackendDefaults.chat_bytes_per_prompt_token)
     max_chat_bytes: int
+    # --- timelines (ajet/engine/trajectory.py)
+    #: merge an episode's calls that extend each other into one sample
+    timeline_merging: bool = True
+    #: "token" or "text": how the history between re-sent replies must match
+    timeline_compare_level: str = "token"
+    #: agent names (requests' `model`) to train; empty: all
+    train_agents: tuple[str, ...] = ()
 
     @property
     def episodes_per_step(self) -> int:
@@ -220,6 +227,9 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         sweep_interval_s=backend.sweep_interval_s,
         max_chat_bytes=backend.chat_bytes_per_prompt_token * job.max_prompt_length
         + backend.chat_bytes_allowance,
+        timeline_merging=job.timeline_merging,
+        timeline_compare_level=job.timeline_compare_level,
+        train_agents=tuple(job.train_agents),
     )
 
 

@@ -4,7 +4,10 @@ Fields (docs/internals.md, "metrics.jsonl fields"): step, reward_mean, reward_st
 reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episodes,
 tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
-grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors).
+grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors), and the
+trainer adds the timelines' counts (`train/episodes`, `train/completions`,
+`train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
+`train/retokenisation_drift`; `trainer.build_samples`).
 
 `success_rate` is the share of true `is_success` among the episodes whose workflow sent
 one, and null when none did (a success rate made up from rewards would read 1.0 for any

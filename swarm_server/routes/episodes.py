@@ -2,7 +2,7 @@
 OpenAI-compatible `/v1/*`), proxied to the engine by `EpisodeGateway`.
 
 `/end_episode` and `/abort_episode` also take the original AgentJet client's body
-(`client_uuid`, `workflow_output`, ...); `ajet.original_wire` turns either shape into
+(`client_uuid`, `workflow_output`, ...); `ajet.compat.boundary` turns either shape into
 the one model the handler uses, and the reply carries `success` next to this project's
 keys. The original's own claim route, `/claim_episode`, is in `routes/original.py`.
 
@@ -25,7 +25,9 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
-from ajet import original_wire
+# A boundary import: /end_episode and /abort_episode read the original's body too
+from ajet.compat import boundary
+from ajet.compat.boundary import OriginalEnd
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
@@ -34,7 +36,6 @@ from ajet.protocol import (
     EndEpisodeResponse,
     ErrorBody,
 )
-from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
 from swarm_server.auth import bearer_token
 from swarm_server.context import ServerContext
 from swarm_server.deps import Ctx, WorkerAuth
@@ -97,12 +98,12 @@ async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest
 
 async def _end(ctx: ServerContext, _: Request | None, body: EndEpisodeRequest | OriginalEnd
                ) -> EndEpisodeResponse:
-    return await ctx.episodes.end(_converted(original_wire.end_request, body))
+    return await ctx.episodes.end(_converted(boundary.end_request, body))
 
 
 async def _abort(ctx: ServerContext, _: Request | None,
                  body: AbortEpisodeRequest | OriginalEnd) -> dict[str, Any]:
-    return {**await ctx.episodes.abort(_converted(original_wire.abort_request, body)),
+    return {**await ctx.episodes.abort(_converted(boundary.abort_request, body)),
             "success": True}
 
 
@@ -110,7 +111,7 @@ def _converted(convert: Any, body: Any) -> Any:
     """An original body as this project's request; 422 naming the field it cannot serve."""
     try:
         return convert(body)
-    except original_wire.OriginalBodyError as exc:
+    except boundary.OriginalBodyError as exc:
         raise Unprocessable([{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
                               "type": "value_error"}],
                             f"fix the field {exc.field}") from exc

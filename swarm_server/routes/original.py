@@ -20,18 +20,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
 
-from ajet.original_wire import claim_fail_cause
-from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
-from ajet.tuner_lib.experimental.interchange_utils import (
+from ajet.compat.boundary import claim_fail_cause
+from ajet.compat.wire import (
     AgreeSyncWeightRequest,
     BoolResponse,
     CanContinueEpisodeRequest,
     CanContinueEpisodeResponse,
     ClaimEpisodeRequest,
     ClaimEpisodeResponse,
+    CurrentBatchRolloutPoolInformation,
     EpisodeBufferResponse,
 )
-from ajet.tuner_lib.experimental.swarm_overwatch_utils import CurrentBatchRolloutPoolInformation
+from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
 from swarm_server.deps import Ctx, WorkerAuth
 from swarm_server.errors import ApiError, Unprocessable
 

@@ -33,6 +33,8 @@ from ajet.protocol import (
     Provenance,
     RunPublic,
     RunsPage,
+    SamplePublic,
+    SamplesPage,
 )
 from swarm_server.context import ServerContext
 from swarm_server.checkpoint_files import TarLayout, checkpoint_dir, checkpoint_manifest, \
@@ -48,7 +50,9 @@ from swarm_server.run_files import (
     downsample,
     read_log_lines,
     read_metrics,
+    read_samples,
     read_trackers,
+    sample_steps,
     summarize,
 )
 
@@ -63,6 +67,9 @@ MAX_REGEX_CHARS = 200
 CURRENT = "current"
 #: Paging offsets stay far inside SQLite's 64-bit integers (a larger one was a 500).
 MAX_OFFSET = 1_000_000_000
+#: A samples page: at most this many samples, and about this many bytes of them.
+MAX_SAMPLES_PAGE = 200
+MAX_SAMPLES_BYTES = 4 * 1024 * 1024
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong token"},
@@ -166,6 +173,38 @@ def get_logs(
                          "use a simpler pattern (no nested or overlapping repetition), "
                          "search a plain substring (regex=false), or lower tail") from exc
     return LogsResponse(run_id=rec.id, lines=lines, total_lines=total, truncated=truncated)
+
+
+@router.get("/runs/{run_id}/samples", responses=_ERRORS)
+def get_samples(
+    ctx: Ctx, _: ReaderAuth, run_id: RunId,
+    step: Annotated[int, Query(ge=1, le=MAX_OFFSET, description="The training step")],
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="First sample to return")
+                      ] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_SAMPLES_PAGE, description="Samples per page")
+                     ] = 20,
+) -> SamplesPage:
+    """A step's training samples: each timeline's token ids, decoded text, loss mask,
+    log-probs and the completions it merged (the engine's `samples/samples-<step>.jsonl`).
+
+    A page holds at most `limit` samples and about `MAX_SAMPLES_BYTES` of them (always
+    at least one); `next_offset` says where the next page starts.
+    """
+    rec = _resolve(ctx, run_id)
+    folder = ctx.engine.run_dir(rec.id) / "samples"
+    try:
+        samples, total, next_offset = read_samples(folder / f"samples-{step}.jsonl",
+                                                   offset=offset, limit=limit,
+                                                   max_bytes=MAX_SAMPLES_BYTES)
+    except FileNotFoundError:
+        steps = sample_steps(folder)
+        raise NotFound(f"run {rec.id} has no samples for step {step}",
+                       f"steps with samples: {_ranges(steps)}" if steps else
+                       "samples are written at each training step; read metrics for the "
+                       "steps done (GET /runs/{id}/metrics)") from None
+    return SamplesPage(run_id=rec.id, step=step, samples=[SamplePublic.model_validate(s)
+                                                          for s in samples],
+                       total=total, offset=offset, next_offset=next_offset)
 
 
 @router.get("/audit", responses={**_ERRORS, 403: {"model": ErrorBody}})
@@ -331,3 +370,7 @@ def _byte_range(header: str, size: int) -> tuple[int, int]:
                                   "resume from a byte before the archive's size",
                                   headers={"Content-Range": f"bytes */{size}"})
     return start, end
+
+
+def _ranges(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

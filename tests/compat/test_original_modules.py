@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ajet.copilot.job import NO_EFFECT, AgentJetJob, JobValidationError
-from ajet.original_wire import (
+from ajet.compat.boundary import (
     STEP_REWARD_REFUSED,
     OriginalBodyError,
     end_request_from_original,

@@ -43,6 +43,7 @@ ACCESS: dict[tuple[str, str], str] = {
     ("GET", "/runs/{run_id}/metrics"): READER,
     ("GET", "/runs/{run_id}/logs"): READER,
     ("GET", "/runs/{run_id}/checkpoints"): READER,
+    ("GET", "/runs/{run_id}/samples"): READER,
     ("GET", "/runs/{run_id}/checkpoints/{name}"): CONTROL,
     ("GET", "/runs/{run_id}/checkpoints/{name}/archive"): CONTROL,
     ("POST", "/begin_episode"): READER,

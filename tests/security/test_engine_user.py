@@ -175,7 +175,12 @@ def test_the_engine_runs_as_its_user_and_cannot_reach_the_server(
                              f"DENIED /proc/{os.getpid()}/environ",
                              f"DENIED {swarm / 'ajet_temp' / '.blobs'}"], probe.stdout
         assert lines[4] == f"READ {run_dir / 'job.yaml'}", probe.stdout
+        # a process the engine started outside its group (a daemon) dies with the run
+        entry = pwd.getpwnam(USER)
+        stray = subprocess.Popen(["/bin/sleep", "600"], user=entry.pw_uid, group=entry.pw_gid,
+                                 extra_groups=[], start_new_session=True)
         srv.call("POST", "/stop_engine", json={})
+        assert stray.wait(timeout=10) == -9
         # a finished run is the server's again: a later engine cannot rewrite its record
         assert run_dir.stat().st_uid == 0 and stat.S_IMODE(run_dir.stat().st_mode) == 0o750
         tamper = _as_user("import sys; open(sys.argv[1], 'a').write('forged')",
@@ -202,3 +207,24 @@ def test_the_engine_runs_as_its_user_and_cannot_reach_the_server(
         assert mod.stat().st_gid == pwd.getpwnam(USER).pw_gid
         read = _as_user("import sys; print(open(sys.argv[1]).read())", str(mod))
         assert "engine-user" in read.stdout, read.stderr
+
+
+def test_sharing_never_follows_a_symlink_the_engine_planted(engine_python: Path,
+                                                            workdir: Path) -> None:
+    from swarm_server.engine_user import resolve_engine_user
+
+    target = workdir / "server-secret"
+    target.write_text("secret\n")
+    target.chmod(0o600)
+    swarm = workdir / "swarm"
+    (swarm / "models" / "sub").mkdir(parents=True)
+    (swarm / "models" / "evil").symlink_to(target)
+    (swarm / "models" / "sub" / "evil-dir").symlink_to(workdir)
+    settings = Settings(workdir=swarm, engine_user=USER, warm_standby=False)
+    user = resolve_engine_user(settings)
+    assert user is not None
+    user.share_workdir(settings)
+    user.seal_run_dir(swarm / "models")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600 and target.stat().st_gid == 0
+    assert stat.S_IMODE(workdir.stat().st_mode) == 0o711  # the folder above, untouched
+    assert (swarm / "models" / "sub").stat().st_gid == user.gid

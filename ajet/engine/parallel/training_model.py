@@ -118,13 +118,7 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
         if not shared:
             apply_lora(policy.model, **lora_args)  # same structure; weights come by publish
     if cfg.activation_checkpointing:
-        # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks;
-        # transformers 5 renamed gradient_checkpointing_enable
-        enable = getattr(lm, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(lm)
     scorer = ResponseScorer(lm, chunk_tokens=cfg.logprob_chunk_tokens,
                             autocast_dtype=compute if not shared and not dist.active else None)
     layers = list(lm.get_decoder().layers)  # type: ignore[operator, union-attr]
@@ -147,3 +141,16 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
              sum(p.numel() for p in model.params), "" if shared else
              "; generation uses its own full copy")
     return model
+
+
+def enable_activation_checkpointing(lm: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass, non-reentrant (it works with
+    frozen inputs, as LoRA's, and with FSDP2's hooks). transformers 5.2x names it
+    `activation_checkpointing_enable`; earlier releases (5.17 among them) only
+    `gradient_checkpointing_enable`."""
+    enable = getattr(lm, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -40,14 +40,12 @@ from ajet.engine.plane.openai_api import openai_router
 from ajet.engine.plane.responses_api import responses_router
 from ajet.protocol import (
     AbortEpisodeRequest,
+    AgreeSyncWeightRequest,
     BeginEpisodeRequest,
+    CanContinueEpisodeRequest,
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
-)
-from ajet.tuner_lib.experimental.interchange_utils import (
-    AgreeSyncWeightRequest,
-    CanContinueEpisodeRequest,
 )
 
 __all__ = ["create_channel_app"]

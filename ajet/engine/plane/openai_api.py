@@ -48,6 +48,7 @@ from ajet.engine.plane.request_policy import (
 )
 from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.engine.trajectory import reply_message
 
 
 __all__ = [
@@ -92,6 +93,8 @@ class ChatTurn:
     ask: GenerationAsk
     model_name: str
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the agent that asked: the request's `model` name (timelines never mix agents)
+    agent: str = ""
 
     def content_stream(self, fmt: ChatFormat) -> ContentStream | None:
         """Streams content around tool calls; None when no tool call can appear."""
@@ -152,7 +155,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
             return _sse(_completion_stream(plane, fmt, generation, turn, logprobs=logprobs,
                                            include_usage=include_usage))
         result = await generation.wait()
-        generation.record(result)
+        generation.record(result, agent=turn.agent)
         return JSONResponse(_completion_body(plane, fmt, turn, result, logprobs=logprobs))
 
     return router
@@ -231,14 +234,18 @@ def prepare_chat(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
                                                     default=cfg.max_new_tokens,
                                                     limit=cfg.max_response_length),
                       stop=resolve_stop(body.stop), temperature=body.temperature,
-                      top_p=body.top_p)
+                      top_p=body.top_p, agent=body.model or "")
 
 
 def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, *,
                messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: ToolChoice,
                parallel: bool, max_tokens: int, stop: tuple[str, ...],
-               temperature: float | None, top_p: float | None) -> ChatTurn:
-    """Render a chat (messages + tools) and decide how to sample it."""
+               temperature: float | None, top_p: float | None, agent: str = "") -> ChatTurn:
+    """Render a chat (messages + tools) and decide how to sample it.
+
+    `agent` is the name the request called the model by (its `model`): an episode's
+    completions are merged into timelines per agent, and the job may train some only.
+    """
     offered = tools if tools and choice.mode != "none" else None
     if offered and not fmt.parses_tool_calls:
         raise BadRequest("this checkpoint's tool-call format is unknown, so calls could not be "
@@ -257,7 +264,7 @@ def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, *,
     sampling = _sampling(plane, episode_uuid, temperature, top_p)
     return ChatTurn(prompt=prompt, tools=offered, choice=choice, parallel_tool_calls=parallel,
                     sampling=sampling, ask=_ask(prompt.ids, max_tokens, stop, sampling),
-                    model_name=plane.cfg.model)
+                    model_name=plane.cfg.model, agent=agent)
 
 
 def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
@@ -286,7 +293,7 @@ def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
     return ChatTurn(prompt=RenderedPrompt(ids=ids, text=text), tools=None,
                     choice=ToolChoice("none"), parallel_tool_calls=False, sampling=sampling,
                     ask=_ask(ids, max_tokens, resolve_stop(body.stop), sampling),
-                    model_name=cfg.model)
+                    model_name=cfg.model, agent=body.model or "")
 
 
 def check_prompt_length(plane: EpisodePlane, n_tokens: int, *, param: str) -> None:
@@ -322,7 +329,11 @@ def finish_reply(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
     except BaseException:
         generation.release()
         raise
-    generation.record(result, tool_call_parse_error=reply.parse_error is not None)
+    generation.record(result, tool_call_parse_error=reply.parse_error is not None,
+                      agent=turn.agent, messages=turn.prompt.messages,
+                      assistant_spans=turn.prompt.assistant_spans,
+                      reply=reply_message(reply.content,
+                                          [(c.name, c.arguments) for c in reply.tool_calls]))
     return reply
 
 
@@ -495,7 +506,7 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
                 continue
             result: GenerationResult = payload
             try:
-                generation.record(result)
+                generation.record(result, agent=turn.agent)
             except EpisodeError as exc:
                 yield stream_error(exc)
                 break

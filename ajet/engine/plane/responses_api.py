@@ -140,7 +140,7 @@ def _prepare(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, body: Resp
         max_tokens=resolve_max_tokens(body.max_output_tokens, param="max_output_tokens",
                                       default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
-        stop=(), temperature=body.temperature, top_p=body.top_p)
+        stop=(), temperature=body.temperature, top_p=body.top_p, agent=body.model or "")
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
