@@ -440,7 +440,8 @@ class SwarmClient:
     def open_episode(self, discard_episode_timeout: float | None = None, *,
                      episode_type: str = "train", client_uuid: str | None = None,
                      task_id: str | None = None, **metadata: Any) -> BeginEpisodeResponse:
-        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it.
+        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it
+        (and `anthropic_base_url`, the server root, for Anthropic clients: same key).
 
         `episode_type="eval"` episodes are served but never trained on; with
         `client_uuid`, only that client may end or abort the episode.

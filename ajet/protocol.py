@@ -37,6 +37,8 @@ __all__ = [
     "ConfigNote",
     "EndEpisodeRequest",
     "EndEpisodeResponse",
+    "ENGINE_FAILURE_FILE",
+    "EngineFailure",
     "EngineReport",
     "EngineState",
     "EngineStatus",
@@ -613,6 +615,9 @@ class BeginEpisodeResponse(BaseModel):
     episode_uuid: str
     openai_base_url: str
     openai_api_key: str
+    #: the server root, without `/v1`: Anthropic clients append `/v1/messages` themselves
+    #: (`anthropic.Anthropic(base_url=..., api_key=openai_api_key)`, `ANTHROPIC_BASE_URL`)
+    anthropic_base_url: str | None = None
     run_id: str | None = None
     timeout_s: float | None = None
 
@@ -672,8 +677,31 @@ class EngineReport(BaseModel):
     run_id: str | None = None
     world_size: int = 1
     ranks_ajet_files: list[str] = Field(default_factory=list)
+    snapshot_id: str | None = Field(
+        default=None, description="Content id of the ajet/ tree rank 0 imported (the "
+        "snapshot id of its files, whatever the folder is called); None from older code")
+    ranks_snapshot_ids: list[str | None] = Field(
+        default_factory=list, description="The same for every rank, in rank order")
     episodes_in_flight: int = 0
     info: dict[str, Any] = Field(default_factory=dict)
+
+
+#: Where a failed engine process records why, in its run directory (`EngineFailure`).
+ENGINE_FAILURE_FILE = "failure.json"
+
+
+class EngineFailure(BaseModel):
+    """The first exception of a failed run, written by the engine for the server's
+    `last_error` (under torchrun: whichever rank failed first, recorded on node 0)."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(default=1, ge=1)
+    error: str = Field(max_length=2000, description="'ExceptionType: message'")
+    traceback: list[str] = Field(default_factory=list, max_length=200)
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} of {self.world_size}" if self.world_size > 1 else "the engine"
+        return f"{who} failed: {self.error}"
 
 
 Role = Literal["control", "worker", "open"]

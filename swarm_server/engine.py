@@ -11,8 +11,10 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
 - Every start is a run in the ledger. Two threads watch a run: one blocks on the process
   exit (a crash is noticed at once), one polls `GET /status` on the engine's socket
   every `settings.status_poll_s` and moves BOOTING -> the reported state, after checking
-  the engine runs the active snapshot's code. Any exit ends in OFFLINE with the run
-  finalised; an exit nobody asked for also sets `last_error` with the log tail.
+  the engine runs the active snapshot's code (every rank's content id, not its path).
+  Any exit ends in OFFLINE with the run finalised; an exit nobody asked for also sets
+  `last_error` with the log tail, and the engine's own `failure.json` (which rank
+  failed, with which exception) in its reason and its traceback ahead of the tail.
 - Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
 - A single-process start takes the warm standby when one is ready: an interpreter with
   torch and transformers imported that becomes the engine (`standby_keeper`); the
@@ -44,8 +46,10 @@ from typing import TypeVar
 import yaml
 
 from ajet.protocol import (
+    ENGINE_FAILURE_FILE,
     SERVER_CODE,
     ConfigAccepted,
+    EngineFailure,
     EngineReport,
     EngineState,
     EngineStatus,
@@ -106,6 +110,8 @@ LOG_TAIL_LINES = 50
 _MAX_SOCKET_PATH = 100
 #: How long a stop waits for the exit thread to finalise the run after the group is gone.
 _FINISH_WAIT_S = 30.0
+#: The most of `<run_dir>/failure.json` read (the engine bounds it well below this).
+_FAILURE_FILE_BYTES = 256 * 1024
 
 
 def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path,
@@ -153,6 +159,8 @@ class _Run:
     run_dir: Path
     snapshot_base: Path | None
     boot_deadline: float  # time.monotonic() by which the engine must serve
+    #: the active snapshot's id when the run started (None: the server's own code)
+    snapshot_id: str | None = None
     socket_path: Path | None = None
     socket_tmpdir: Path | None = None
     handle: ProcessHandle | None = None
@@ -475,7 +483,8 @@ class EngineController:
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
         run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
-                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s)
+                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s,
+                   snapshot_id=snapshot.id if snapshot else None)
         with self._lock:
             # OFFLINE -> BOOTING: the compare-and-set that makes concurrent starts safe
             self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
@@ -603,13 +612,27 @@ class EngineController:
             self._replenish_standby()  # now, not while the engine boots: 2 cores are few
 
     def _code_problem(self, run: _Run, report: EngineReport) -> str | None:
-        """Why the engine does not run the active snapshot's code, or None if it does."""
-        if run.snapshot_base is None:
+        """Why the engine does not run the active snapshot's code, or None if it does.
+
+        Every rank reports the content id of the ajet/ tree it imported; each must be
+        the active snapshot's id, wherever that node keeps its copy. Code from before
+        content ids reports none: then rank 0's node is checked by path.
+        """
+        if run.snapshot_base is None or run.snapshot_id is None:
             return None
-        for path in [report.ajet_file, *report.ranks_ajet_files]:
-            if not is_inside(Path(path), run.snapshot_base):
-                return (f"the engine imported ajet from {path}, not from the active snapshot "
-                        f"{run.snapshot_base}; refusing to train on stale code")
+        if report.snapshot_id is None:
+            for path in [report.ajet_file, *report.ranks_ajet_files]:
+                if not is_inside(Path(path), run.snapshot_base):
+                    return (f"the engine imported ajet from {path}, not from the active "
+                            f"snapshot {run.snapshot_base}; refusing to train on stale code")
+            return None
+        for rank, ident in enumerate(report.ranks_snapshot_ids or [report.snapshot_id]):
+            if ident != run.snapshot_id:
+                files = report.ranks_ajet_files
+                where = files[rank] if rank < len(files) else report.ajet_file
+                return (f"rank {rank} imported ajet {(ident or 'of unknown content')[:12]} "
+                        f"from {where}, not from the active snapshot {run.snapshot_id[:12]}; "
+                        "refusing to train on stale code (sync the same code to every node)")
         return None
 
     def _fail(self, run: _Run, handle: ProcessHandle, reason: str) -> None:
@@ -649,6 +672,11 @@ class EngineController:
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
                                         f"{final_state}")
+                failure = _engine_failure(run.run_dir)
+                if failure is not None:  # its own word on which rank failed, and how
+                    reason += f": {failure.describe()}"
+                    tail = [f"[rank {failure.rank}] {line}" for line in failure.traceback
+                            ] + ["..."] + tail
             if failed:
                 self._last_error = LastError(run_id=run.run_id, exit_code=exit_code,
                                              reason=reason, log_tail=tail, at=time.time())
@@ -718,6 +746,19 @@ def _describe_exit(code: int | None) -> str:
         return f"was killed by {name} (exit code {code})"
     return f"exited with code {code}"
 
+
+
+def _engine_failure(run_dir: Path) -> EngineFailure | None:
+    """The engine's record of its first failure (`<run_dir>/failure.json`), if any."""
+    path = run_dir / ENGINE_FAILURE_FILE
+    try:
+        with open(path, "rb") as f:
+            return EngineFailure.model_validate_json(f.read(_FAILURE_FILE_BYTES))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # a torn or foreign file: the exit code stands alone
+        log.warning("could not read %s: %s", path, exc)
+        return None
 
 
 def _installed_ajet_dir() -> Path:

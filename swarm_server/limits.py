@@ -11,7 +11,8 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
    session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
    `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
-   (`EpisodeGateway.check_key`), everywhere else a token `auth.authenticate` accepts
+   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`), at
+   `INDEX_PATH` (`/`) that or a reader token, everywhere else a token `auth.authenticate` accepts
    (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
    caller gets nothing parsed, buffered or routed.
 
@@ -47,7 +48,8 @@ read; then the body is bounded to `ANONYMOUS_BODY_BYTES` and must arrive whole w
 The first gate answers itself. The second raises `errors.EarlyRefusal` out of
 `receive`, which FastAPI passes through from its body reading (anything else would
 become a generic 400), and the app's error handler renders it. Refusals are
-`{"detail", "hint"}` bodies like every other error, OpenAI-shaped under `/v1/`;
+`{"detail", "hint"}` bodies like every other error, OpenAI-shaped under `/v1/` and
+Anthropic-shaped on the Messages routes (`/v1/messages...`);
 `LIMIT_RESPONSES` documents them on every operation of the OpenAPI schema.
 """
 
@@ -66,7 +68,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import ControlRequirement, Requirement, authenticate, bearer_token
+from swarm_server.auth import (
+    ControlRequirement,
+    IndexRequirement,
+    Requirement,
+    authenticate,
+    episode_key,
+)
 from swarm_server.errors import (
     ApiError,
     BadRequest,
@@ -75,7 +83,8 @@ from swarm_server.errors import (
     PayloadTooLarge,
     RequestTimeout,
     Unprocessable,
-    openai_error_body,
+    error_body,
+    is_anthropic_path,
 )
 
 if TYPE_CHECKING:
@@ -89,6 +98,8 @@ __all__ = ["ANONYMOUS_BODY_BYTES", "CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RE
 OPEN_PATHS = frozenset({"/health"})
 #: The OpenAI-compatible episode plane: a signed episode key, never a bearer token.
 EPISODE_PREFIX = "/v1/"
+#: The server's index: a reader token or an episode key (`auth.IndexRequirement`).
+INDEX_PATH = "/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
 #: The most of a body read from a caller no credential admitted yet (the sign-in form).
@@ -246,13 +257,17 @@ class _RouteRules:
 class _Refusal:
     error: ApiError
     openai: bool = False
+    anthropic: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self.error
-        body = (openai_error_body(error.status, error.detail, error.hint, param=error.param)
-                if self.openai else {"detail": error.detail, "hint": error.hint})
+        body = error_body(self.error, openai=self.openai, anthropic=self.anthropic)
         response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
         await response(scope, receive, send)
+
+
+def _shapes(path: str) -> dict[str, bool]:
+    """How a refusal on `path` is shaped: OpenAI's under `/v1/`, Anthropic's on Messages."""
+    return {"openai": path.startswith(EPISODE_PREFIX), "anthropic": is_anthropic_path(path)}
 
 
 class LimitsMiddleware:
@@ -296,11 +311,13 @@ class LimitsMiddleware:
         headers = Headers(scope=scope)
         try:
             if path.startswith(EPISODE_PREFIX):
-                self.ctx.episodes.check_key(bearer_token(headers.get("authorization")))
+                self.ctx.episodes.check_key(episode_key(headers))
+            elif path == INDEX_PATH:
+                IndexRequirement().check(scope["app"].state, headers)
             else:
                 authenticate(self.settings, headers)
         except ApiError as exc:
-            return _Refusal(exc, openai=path.startswith(EPISODE_PREFIX))
+            return _Refusal(exc, **_shapes(path))
         return None
 
     # ------------------------------------------------------------------ second gate
@@ -313,7 +330,6 @@ class LimitsMiddleware:
             if state["first"]:
                 state["first"] = False
                 rules = self._rules_for(scope)
-                openai = scope["path"].startswith(EPISODE_PREFIX)
                 try:
                     anonymous = self._check_requirements(scope, rules)
                     if anonymous:
@@ -335,13 +351,13 @@ class LimitsMiddleware:
                         self._check_json(body)
                         return {"type": "http.request", "body": body, "more_body": False}
                 except ApiError as exc:
-                    raise EarlyRefusal(exc, openai=openai) from None
+                    raise EarlyRefusal(exc, **_shapes(scope["path"])) from None
                 except asyncio.TimeoutError:
                     wait = self.settings.header_timeout_s
                     raise EarlyRefusal(RequestTimeout(
                         f"the body did not arrive within {wait:g} s",
                         "send the whole form at once", headers={"Connection": "close"}),
-                        openai=openai) from None
+                        **_shapes(scope["path"])) from None
             if state["stream"] is not None:
                 message: Message = await state["stream"]()
                 return message

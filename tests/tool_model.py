@@ -98,9 +98,13 @@ def _examples(rng: random.Random, n: int) -> list[tuple[list[dict[str, Any]], li
     return out
 
 
-def finetune_tool_model(target: Path, *, steps: int = 220, lr: float = 1.2e-2, batch: int = 8,
+def finetune_tool_model(target: Path, *, steps: int = 300, lr: float = 1.2e-2, batch: int = 8,
                         seed: int = 0) -> Path:
-    """Build ajet-tiny at `target` and fine-tune it to call get_weather (see module doc)."""
+    """Build ajet-tiny at `target` and fine-tune it to call get_weather (see module doc).
+
+    300 steps: at 220 (with torch 2.13 and transformers 5.24) the last loss was 0.32 and
+    greedy replies were garbled calls; at 300 it is 2e-4 and the replies are exact.
+    """
     import torch
 
     if (target / "finetuned.json").is_file():

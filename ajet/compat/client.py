@@ -461,11 +461,14 @@ class SwarmClient(TypedSwarmClient):
                         del self._episode_expiry[known]
             # the server's view of its own address may differ from ours (a proxy)
             base_url = re.sub(r"^https?://[^/]+", self.server_url, claimed.openai_base_url)
+            anthropic_url = re.sub(r"^https?://[^/]+", self.server_url,
+                                   claimed.anthropic_base_url or
+                                   claimed.openai_base_url.removesuffix("/v1"))
             self._info(f"Claimed episode {claimed.episode_uuid}, current global step: "
                        f"{data.get('global_step', 'unknown')}")
             return claimed.episode_uuid, OpenaiBaseUrlAndApiKey(
                 base_url=base_url, api_key=claimed.openai_api_key,
-                episode_uuid=claimed.episode_uuid)
+                anthropic_base_url=anthropic_url, episode_uuid=claimed.episode_uuid)
 
     def end_episode(self, task: Task, episode_uuid: str, workflow_output: WorkflowOutput,
                     declare_client_active: bool = True) -> None:

@@ -91,6 +91,8 @@ class ClaimEpisodeResponse(BaseModel):
     openai_base_url: str = ""
     openai_api_key: str = ""
     fail_cause: str = ""
+    #: this project's addition: the server root for Anthropic clients (no `/v1`)
+    anthropic_base_url: str = ""
 
 
 class CanContinueEpisodeResponse(BaseModel):

@@ -141,6 +141,11 @@ class AgentJetJob(BaseModel):
     node_rank: int = Field(default_factory=_d("node_rank"), ge=0)
     rdzv_endpoint: str | None = Field(default_factory=_d("rdzv_endpoint"),
                                       description="host:port of the torchrun rendezvous (nnodes > 1)")
+    collective_timeout_min: float = Field(
+        default_factory=_d("collective_timeout_min"), gt=0, le=10_080,
+        description="Several processes: a rank waiting this long in a tensor collective "
+                    "(FSDP's gathers, the weight publication) fails the job; rank 0's "
+                    "commands travel on a CPU group that waits as long as a step takes")
     batch_size: int = Field(default_factory=_d("batch_size"), ge=1, le=100_000,
                             description="Task groups per training step")
     num_repeat: int = Field(default_factory=_d("num_repeat"), ge=1, le=1024,

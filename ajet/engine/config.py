@@ -101,6 +101,8 @@ class EngineConfig:
     gpu_memory_utilization: float
     n_gpu: int
     n_proc: int
+    #: a tensor collective (NCCL; gloo on CPU) waiting longer than this fails the job
+    collective_timeout_s: float
     lora_rank: int
     lora_alpha: int
     lora_target_modules: str | tuple[str, ...]
@@ -196,6 +198,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         gpu_memory_utilization=job.gpu_memory_utilization,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
+        collective_timeout_s=job.collective_timeout_min * 60.0,
         lora_rank=job.lora_rank,
         lora_alpha=job.lora_alpha,
         lora_target_modules=(job.lora_target_modules if isinstance(job.lora_target_modules, str)

@@ -117,6 +117,10 @@ class UpdateStats:
     tokens: int
     samples: int
     seconds: float
+    #: the publication of the new weights to the inference model (part of `seconds`)
+    publish_time_s: float = 0.0
+    #: bytes of full weights it produced, in the inference model's dtype
+    publish_bytes: int = 0
 
 
 class Learner:
@@ -154,7 +158,7 @@ class Learner:
                         mine = [s for s in part if s.group % dist.world_size == dist.rank]
                         micros = micro_batches(mine, cfg.micro_batch_tokens)
                         # every rank runs as many passes as the busiest one (FSDP collectives)
-                        n_micro = dist.max_int(len(micros), self.policy.device)
+                        n_micro = dist.max_int(len(micros))
                         self.optimizer.zero_grad(set_to_none=True)
                         # local sums: loss (already / part_tokens), kl, entropy, clipped tokens
                         sums = [0.0, 0.0, 0.0, 0.0]
@@ -171,7 +175,7 @@ class Learner:
                             sums[1] += terms.kl_sum if cfg.kl_coef > 0 else terms.approx_kl_old_sum
                             sums[2] += entropy
                             sums[3] += terms.clipped_tokens
-                        sums = dist.sum_floats(sums, self.policy.device)
+                        sums = dist.sum_floats(sums)
                         grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
                         self.optimizer.step()
                         losses.append(sums[0])
@@ -182,11 +186,12 @@ class Learner:
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.model.train(False)
-            self.model.publish()
+            published = self.model.publish()
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
-            samples=len(samples), seconds=time.perf_counter() - start)
+            samples=len(samples), seconds=time.perf_counter() - start,
+            publish_time_s=published.seconds, publish_bytes=published.bytes)
 
     def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int
                      ) -> tuple[LossTerms, float]:

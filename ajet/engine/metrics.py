@@ -4,9 +4,9 @@ Fields (docs/internals.md, "metrics.jsonl fields"): step, reward_mean, reward_st
 reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episodes,
 tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
-grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors), and the
-trainer adds the timelines' counts (`train/episodes`, `train/completions`,
-`train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
+grad_norm, clip_frac, update_time_s, publish_time_s, publish_bytes, policy_lag,
+tool_call_parse_errors), and the trainer adds the timelines' counts (`train/episodes`,
+`train/completions`, `train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
 `train/retokenisation_drift`; `trainer.build_samples`).
 
 `success_rate` is the share of true `is_success` among the episodes whose workflow sent
@@ -65,6 +65,9 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
         "grad_norm": update.grad_norm,
         "clip_frac": update.clip_frac,
         "update_time_s": update.seconds,
+        # the new weights' way to the inference model (docs/distributed.md, "Publication")
+        "publish_time_s": update.publish_time_s,
+        "publish_bytes": update.publish_bytes,
         "policy_lag": sum(lag) / len(lag) if lag else 0.0,
         # replies whose tool-call block did not parse (served as content; chat_format)
         "tool_call_parse_errors": sum(c.tool_call_parse_error for e in episodes

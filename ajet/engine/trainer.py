@@ -18,11 +18,12 @@ final checkpoint.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
-(checkpoint name, step)) or ("stop", None), and they call the same `Learner.update` on
-their share, or the same `save_checkpoint`, until "stop". The update and the checkpoint
-are where the ranks meet (FSDP's all-gathers and reduce-scatters, the metric sums, the
-gathered checkpoint), so every rank must run each of them, even an update whose groups
-all went to other ranks.
+(checkpoint name, step)) or ("stop", None), over the CPU control group (never NCCL: a
+follower waits there through the whole rollout while its own generator runs), and they
+call the same `Learner.update` on their share, or the same `save_checkpoint`, until
+"stop". The update and the checkpoint are where the ranks meet (FSDP's all-gathers and
+reduce-scatters, the metric sums, the gathered checkpoint), so every rank must run each
+of them, even an update whose groups all went to other ranks.
 """
 
 from __future__ import annotations

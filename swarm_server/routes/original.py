@@ -71,7 +71,8 @@ async def claim_episode(ctx: Ctx, _: WorkerAuth, request: Request, body: ClaimEp
     return ClaimEpisodeResponse(success=True, client_uuid=body.client_uuid,
                                 episode_uuid=episode.episode_uuid,
                                 openai_base_url=episode.openai_base_url,
-                                openai_api_key=episode.openai_api_key)
+                                openai_api_key=episode.openai_api_key,
+                                anthropic_base_url=episode.anthropic_base_url or "")
 
 
 @router.get("/get_current_batch_rollout_pool_information", responses=_ERRORS)

@@ -65,6 +65,8 @@ def test_original_import_paths() -> None:
     assert RouterTaskReader and PeriodicDrainThreadPoolExecutor
     api = OpenaiBaseUrlAndApiKey(base_url="http://h:1/v1", api_key="k", episode_uuid="e")
     assert api.base_url.endswith("/v1") and api.model == "reserved_field"
+    claude = api.as_raw_anthropic_sdk_client()  # the server root, without /v1
+    assert str(claude.base_url).rstrip("/") == "http://h:1" and claude.api_key == "k"
     for name in ORIGINAL_CLIENT_METHODS:
         assert callable(getattr(swarm_client.SwarmClient, name)), name
 

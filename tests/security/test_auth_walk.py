@@ -34,6 +34,8 @@ ACCESS: dict[tuple[str, str], str] = {
     ("POST", "/v1/chat/completions"): EPISODE_KEY,
     ("POST", "/v1/completions"): EPISODE_KEY,
     ("POST", "/v1/responses"): EPISODE_KEY,
+    ("POST", "/v1/messages"): EPISODE_KEY,
+    ("POST", "/v1/messages/count_tokens"): EPISODE_KEY,
     ("GET", "/v1/models"): EPISODE_KEY,
     ("GET", "/v1/models/{model}"): EPISODE_KEY,
     ("GET", "/version"): READER,

@@ -1,4 +1,5 @@
-"""Start a real `python -m ajet.engine` subprocess with the contract's command line."""
+"""Start a real `python -m ajet.engine` subprocess with the contract's command line; and
+generators without a model (`StubGenerator`, `ScriptedGenerator`) for in-process tests."""
 
 from __future__ import annotations
 
@@ -6,14 +7,23 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.generation.interface import Generator
+from ajet.engine.generation.interface import (
+    GenerationHandle,
+    GenerationRefused,
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+    ReplyText,
+)
 from tests.support import PROJECT_ROOT
 
 
@@ -93,3 +103,59 @@ class StubGenerator(Generator):
     def pause(self) -> None: ...
 
     def resume(self) -> None: ...
+
+
+class ScriptedGenerator(StubGenerator):
+    """Replies with scripted text, one token per step, as a backend does: each token is
+    streamed through `ReplyText` (stop strings, held-back deltas), the reply ends at the
+    end-of-turn token, a stop string or `max_new_tokens`, with a log-prob per token.
+
+    `replies` is the queue of texts to answer with (then `default`), `requests` what was
+    submitted; `delay_s` waits before the first token, `max_positions` is the context. A reply is generated on a thread of its own, like a backend's loop.
+    """
+
+    def __init__(self, tokenizer: Any, *, eos_id: int, default: str = "Hello.") -> None:
+        self.tokenizer = tokenizer
+        self.eos_id = eos_id
+        self.default = default
+        self.replies: list[str] = []
+        self.requests: list[GenerationRequest] = []
+        self.max_positions = 1 << 30
+        #: seconds before the first token (a long prefill)
+        self.delay_s = 0.0
+
+    def submit(self, request: GenerationRequest) -> GenerationHandle:
+        if len(request.prompt_ids) >= self.max_positions:
+            raise GenerationRefused(f"the prompt is {len(request.prompt_ids)} tokens; the "
+                                    f"model's context is {self.max_positions}")
+        self.requests.append(request)
+        text = self.replies.pop(0) if self.replies else self.default
+        handle = GenerationHandle(request)
+        threading.Thread(target=self._run, args=(handle, text), daemon=True).start()
+        return handle
+
+    def _run(self, handle: GenerationHandle, text: str) -> None:
+        request = handle.request
+        script = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.eos_id]
+        reply = ReplyText(lambda ids: str(self.tokenizer.decode(ids, skip_special_tokens=True)),
+                          request.stop)
+        ids: list[int] = []
+        done = "length"
+        time.sleep(self.delay_s)
+        for token in script:
+            if handle.done:  # cancelled
+                return
+            ids.append(token)
+            delta = reply.update(ids)
+            if token == self.eos_id or reply.stopped:
+                done = "stop"
+            elif len(ids) >= request.max_new_tokens:
+                done = "length"
+            else:
+                handle.delta(delta)
+                continue
+            handle.delta(delta + reply.update(ids, done=True))
+            break
+        handle.finish(GenerationResult(prompt_ids=list(request.prompt_ids), response_ids=ids,
+                                       logprobs=[-0.5] * len(ids), text=reply.text,
+                                       finish_reason=done))
