@@ -109,7 +109,8 @@ def svg_chart(series: dict[str, Sequence[tuple[float, float]]], *, metric: str,
               if math.isfinite(p[0]) and math.isfinite(p[1])]
     if not points:
         return Markup(f'<p class="muted">No values of {escape(metric)} yet.</p>')
-    left, right, top, bottom = 56, 16, 14, 34
+    # the legend has a band of its own above the plot, so it never hides a curve
+    left, right, top, bottom = 56, 16, 14 + 16 * len(series), 34
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     x0, x1 = min(xs), max(xs)
     if x1 == x0:
@@ -150,7 +151,7 @@ def svg_chart(series: dict[str, Sequence[tuple[float, float]]], *, metric: str,
                      f'stroke="{colour}" stroke-width="2" points="{coords}"/>')
         parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{colour}"/>'
                   for x, y in good]
-        ly = top + 14 + 16 * i
+        ly = 16 + 16 * i
         parts.append(f'<rect x="{left + 10}" y="{ly - 9}" width="12" height="3" '
                      f'fill="{colour}"/><text x="{left + 28}" y="{ly - 5}" font-size="11">'
                      f'{escape(run_id)}</text>')

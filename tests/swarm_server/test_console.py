@@ -43,7 +43,7 @@ from ajet.rollout import load_workflow, run_workflow
 from swarm_server.ledger import RunRecord
 from swarm_server.main import create_app
 from swarm_server.settings import Settings
-from swarm_server.ui.render import PYGMENTS_CSS, nice_ticks
+from swarm_server.ui.render import PYGMENTS_CSS, nice_ticks, svg_chart
 from swarm_server.ui.sessions import SessionStore
 from tests.support import (
     APPROVER_NAME,
@@ -507,6 +507,15 @@ def test_nice_ticks_are_round() -> None:
     assert nice_ticks(0.1, 0.3) == [0.1, 0.15, 0.2, 0.25, 0.3]
     flat = nice_ticks(5, 5)
     assert flat[0] < 5 < flat[-1] and all(round(t * 10) == t * 10 for t in flat)
+
+
+def test_the_chart_legend_sits_above_the_plot() -> None:
+    series = {f"run-{i}": [(1.0, 0.1 * i), (2.0, 0.2 * i + 0.05)] for i in range(3)}
+    svg = str(svg_chart(series, metric="reward_mean"))
+    plot_top = float(re.search(r'<rect x="56" y="([\d.]+)"', svg).group(1))  # type: ignore[union-attr]
+    labels = [float(y) for y in re.findall(r'y="([\d.]+)" font-size="11">run-', svg)]
+    assert len(labels) == 3 and max(labels) < plot_top, (labels, plot_top)
+    assert 'role="img"' in svg and 'aria-label="reward_mean per step' in svg
 
 
 def test_the_highlighter_style_draws_error_tokens_as_text() -> None:
