@@ -322,9 +322,11 @@ def decide_form(
     after = ctx.engine.status()
     if before.state is not EngineState.OFFLINE and after.state is EngineState.OFFLINE:
         # done, but with a consequence the approver should see: training stopped
+        why = ("it ran this snapshot" if before.snapshot_id == rec.id else
+               f"it ran snapshot {before.snapshot_id[:12]}, whose approval rested on this one")
         store.notify(session.sid, rec.id,
                      f"decision recorded: {decision}; the engine (run {before.run_id}) was "
-                     "stopped because it ran code resting on this approval", "warning")
+                     f"stopped: {why}", "warning")
     else:
         store.notify(session.sid, rec.id, f"decision recorded: {decision}", "success")
     return _redirect(f"/ui/snapshots/{rec.id}")

@@ -77,9 +77,9 @@ def _skip_reason() -> str | None:
     if sync_playwright is None:
         return "browser tests skipped: Playwright is not installed (pip install '.[dev]')"
     if not CHROMIUM.exists():
-        return ("browser tests skipped: /usr/bin/chromium is missing (`make test` installs it "
-                "as root with `apt-get install -y chromium`; elsewhere install Debian's "
-                "chromium package)")
+        return ("browser tests skipped: /usr/bin/chromium is missing (`make browser`, which "
+                "`make test` runs, installs it as root with `apt-get install -y chromium`; "
+                "elsewhere install Debian's chromium package)")
     return None
 
 
@@ -202,6 +202,16 @@ def test_approve_in_the_browser_then_watch_the_reward_curve(
     page.goto("/ui/snapshots")
     row = page.locator(f"tr[data-snapshot='{snapshot_id}']")
     assert "approved by alice" in row.inner_text() and run_id in row.inner_text()
+
+    # revoking the code the engine runs: recorded, and the stop is a warning to read
+    page.goto(f"/ui/snapshots/{snapshot_id}")
+    page.fill("#confirm", snapshot_id[:12])
+    page.click("#revoke")
+    assert "notice-warning" in (page.get_attribute("#message", "class") or "")
+    assert "revoked" in page.inner_text("#message") and "stopped" in page.inner_text("#message")
+    page.screenshot(path=str(shots / "4b-revoked-warning.png"))
+    with SwarmClient(srv.url, token=CONTROL_TOKEN) as c:
+        assert c.engine_status().state is EngineState.OFFLINE
 
     page.click("text=Sign out")
     page.wait_for_url("**/ui/login")
@@ -350,7 +360,10 @@ def _pages(live: Live) -> dict[str, str]:
 @pytest.mark.parametrize("width", WIDTHS)
 def test_every_page_fits_and_passes_axe(browser: Browser, live: Live, shots: Path,
                                         width: int) -> None:
-    from axe_playwright_python.sync_playwright import Axe
+    Axe = pytest.importorskip(
+        "axe_playwright_python.sync_playwright",
+        reason="accessibility check skipped: axe-playwright-python is not installed "
+               "(pip install '.[dev]')").Axe
 
     axe = Axe()
     page = _console(browser, live, width)
