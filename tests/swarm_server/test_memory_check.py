@@ -38,7 +38,7 @@ def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandl
     root = tmp_path_factory.mktemp("memory")
     path = f"{_fake_nvidia_smi(root / 'bin')}{os.pathsep}{os.environ['PATH']}"
     # and a GPU node's host memory (this machine may have less than eight GPUs' worth)
-    handle = start_server(root / "swarm", env={"PATH": path, "AJET_HOST_MEMORY_GB": "2048"})
+    handle = start_server(root / "swarm", env={"PATH": path, "AJET_ENGINE_HOST_MEMORY_GB": "2048"})
     yield handle
     handle.stop()
 

@@ -42,8 +42,9 @@ so the fp32 masters keep its precision.
 
 With LoRA (`cfg.lora_rank > 0`) the one model gets adapters (`lora.apply_lora`, seeded,
 so every rank starts from the same ones) and only the adapters train. The KL reference
-(`kl_coef > 0`) is the trained model with its adapters disabled; without LoRA it is a frozen copy of the checkpoint in
-the compute dtype, sharded like the trained model under torchrun.
+(`kl_coef > 0`) is the trained model with its adapters disabled; without LoRA it is a
+frozen copy of the checkpoint in the compute dtype, sharded like the trained model under
+torchrun.
 """
 
 from __future__ import annotations

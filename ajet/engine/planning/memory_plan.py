@@ -35,7 +35,7 @@ the CUDA and NCCL host side), the checkpoint's files while the ranks load them (
 cache: one copy per node, as every rank reads the same memory-mapped files straight
 onto its GPU), and on rank 0's node the full weights a checkpoint gathers there. A job
 whose node needs more than the host has (`detect_host`: the machine's memory or the
-container's limit, or `AJET_HOST_MEMORY_GB` where the config is checked on another
+container's limit, or `AJET_ENGINE_HOST_MEMORY_GB` where the config is checked on another
 machine than the GPU nodes) does not fit either, and the refusal says so with the numbers.
 """
 
@@ -122,7 +122,7 @@ _LOGIT_COPIES = 4
 #: hosts with torch 2.x; the upper end).
 _HOST_PER_GPU_PROCESS = 5 * GiB // 2
 #: Environment override of the host memory the planner assumes (GiB).
-HOST_MEMORY_ENV = "AJET_HOST_MEMORY_GB"
+HOST_MEMORY_ENV = "AJET_ENGINE_HOST_MEMORY_GB"
 _HOST_PHASES = ("boot", "checkpoint save")
 #: Candidates for "more GPUs" (per node), and nodes of 8 GPUs after that.
 _GPU_COUNTS = (2, 4, 8)
@@ -411,7 +411,7 @@ def _host_memory() -> tuple[int, str]:
 
 
 def detect_host() -> Available:
-    """The memory of one node's host: `AJET_HOST_MEMORY_GB` when set (a config checked
+    """The memory of one node's host: `AJET_ENGINE_HOST_MEMORY_GB` when set (a config checked
     away from the GPU nodes), else this machine's (or its container's limit)."""
     value = os.environ.get(HOST_MEMORY_ENV)
     if value:
