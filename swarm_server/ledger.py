@@ -14,6 +14,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -415,6 +416,29 @@ class Ledger:
                 "INSERT INTO audit (at, action, role, outcome, detail_json) VALUES (?, ?, ?, ?, ?)",
                 (time.time(), action, role, outcome, json.dumps(detail or {}, default=str)),
             )
+
+    def uploaders(self, snapshot_ids: Sequence[str]) -> dict[str, tuple[str, float]]:
+        """Who first stored each snapshot, from the audit log: id -> (role, when).
+
+        A sync's audit entry names the snapshot it stored (`snapshot_id` with `path`,
+        which is set once the snapshot exists, whatever became of the activation).
+        Snapshots with no such entry are left out.
+        """
+        ids = list(dict.fromkeys(snapshot_ids))[:500]
+        if not ids:
+            return {}
+        marks = ", ".join("?" for _ in ids)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT json_extract(detail_json, '$.snapshot_id') AS sid, role, at FROM audit "
+                "WHERE action = 'sync_code' "
+                "AND json_extract(detail_json, '$.path') IS NOT NULL "
+                f"AND json_extract(detail_json, '$.snapshot_id') IN ({marks}) ORDER BY id",
+                tuple(ids)).fetchall()
+        out: dict[str, tuple[str, float]] = {}
+        for row in rows:
+            out.setdefault(str(row["sid"]), (str(row["role"]), float(row["at"])))
+        return out
 
     def list_audit(self, *, offset: int = 0, limit: int = 100) -> tuple[list[AuditRecord], int]:
         """Oldest first, so the log reads in order."""
