@@ -81,6 +81,8 @@ class SwarmClient(OriginalClientMixin):
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
     `retry` sets the back-offs and deadlines of the original AgentJet methods.
+    `transport` replaces httpx's network transport, for example with one that calls an
+    ASGI app in the same process (tests: `fastapi.testclient.TestClient`'s transport).
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class SwarmClient(OriginalClientMixin):
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
         retry: RetryPolicy | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
         #: the original client's switches: chatty progress logs, and the last job sent
@@ -108,7 +111,8 @@ class SwarmClient(OriginalClientMixin):
         self._server_process: subprocess.Popen[bytes] | None = None
         self._server_log: Path | None = None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout,
+                                  transport=transport)
         self._init_original(retry)
         if auto_start_swarm_server:
             self._ensure_local_server(

@@ -9,7 +9,6 @@ from typing import Any
 import pytest
 
 from ajet.client import SwarmClient
-
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 
 
@@ -38,8 +37,8 @@ def ajet_repo(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ajet-tiny fine-tuned to call get_weather (tests/tool_model.py), built once a session."""
-    from tests.tool_model import finetune_tool_model
+    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once a session."""
+    from tests.support.tool_model import finetune_tool_model
 
     return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")
 
@@ -49,7 +48,7 @@ def tool_server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[ServerHandle]:
     """A token-protected server whose engine serves `tool_model` (tool-calling tests)."""
     from tests.support import rolling_server
-    from tests.tool_model import tool_job
+    from tests.support.tool_model import tool_job
 
     with rolling_server(tmp_path_factory.mktemp("tools"), tool_job(tool_model)) as handle:
         yield handle

@@ -1,6 +1,6 @@
 """SwarmClient against real servers: typed errors, waits with deadlines, auto start, runs.
 
-The engine behind the server is the test fake (`tests/swarm_server/fake_engine.py`), so
+The engine behind the server is the test fake (`tests/support/fake_engine.py`), so
 these tests exercise the real client, server and process lifecycle without torch.
 """
 
@@ -34,7 +34,7 @@ from tests.support import (
     process_alive,
     start_server,
 )
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.fake_engine import server_env, set_behaviour
 
 S = EngineState
 

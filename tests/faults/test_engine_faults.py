@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from ajet.protocol import EngineState
-from tests.faults.invariants import assert_consistent, wait_status
 from tests.support import ServerHandle, process_alive, start_server
-from tests.swarm_server.fake_engine import server_env, set_behaviour, started_pids
+from tests.support.fake_engine import server_env, set_behaviour, started_pids
+from tests.support.invariants import assert_consistent, wait_status
 
 JOB = "experiment_name: faults\nlr: 0.01\n"
 

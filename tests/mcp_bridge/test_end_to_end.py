@@ -19,14 +19,14 @@ from mcp import Client, StdioServerParameters
 from ajet.client import SwarmClient
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
-from tests.mcp_bridge.conftest import (
+from tests.support import PROJECT_ROOT, ServerHandle
+from tests.support.bridge import (
     AJET_MCP,
     Elicitor,
     assert_small,
     make_bridge,
     structured,
 )
-from tests.support import PROJECT_ROOT, ServerHandle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 

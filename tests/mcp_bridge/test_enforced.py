@@ -24,7 +24,6 @@ from mcp_bridge.approvals import ApprovalStore
 from mcp_bridge.bridge import Bridge, BridgeConfig
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
-from tests.mcp_bridge.conftest import assert_small, run_approvals_cli, structured, text_of
 from tests.support import (
     APPROVER_TOKEN,
     CONTROL_TOKEN,
@@ -32,7 +31,8 @@ from tests.support import (
     ServerHandle,
     start_server,
 )
-from tests.swarm_server.fake_engine import server_env
+from tests.support.bridge import assert_small, run_approvals_cli, structured, text_of
+from tests.support.fake_engine import server_env
 
 pytestmark = pytest.mark.anyio
 

@@ -3,7 +3,7 @@ snapshot store, the blob store and the rest of the workdir exactly as they were.
 
 The named corpus (tests/swarm_server/test_safe_zip.py, test_code_sync.py) pins one case
 per rule; here hypothesis combines attacks with random honest content, positions and
-sizes. Every value is hostile by construction (tests/security/strategies.py).
+sizes. Every value is hostile by construction (tests/support/strategies.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from ajet.client import SwarmClient
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import FileEntry
-from tests.hostile import HOSTILE_LIMITS, blob_record, make_zip, tree_digest, tree_repo
-from tests.security.strategies import hostile_blob_streams, hostile_manifests, hostile_zips
 from tests.support import CONTROL_TOKEN, ServerHandle, start_server
+from tests.support.hostile import HOSTILE_LIMITS, blob_record, make_zip, tree_digest, tree_repo
+from tests.support.strategies import hostile_blob_streams, hostile_manifests, hostile_zips
 
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 #: Blobs the server holds before the attacks (manifests may name them).

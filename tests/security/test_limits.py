@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm_server.limits import json_too_deep
-from tests.hostile import blob_record
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support.hostile import blob_record
 
 MAX_JSON = 4096
 MAX_DEPTH = 8

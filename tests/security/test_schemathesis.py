@@ -30,7 +30,7 @@ from schemathesis.specs.openapi.checks import (
 
 from ajet.protocol import EngineState
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, process_alive, start_server
-from tests.swarm_server.fake_engine import server_env, started_pids
+from tests.support.fake_engine import server_env, started_pids
 
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,

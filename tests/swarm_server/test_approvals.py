@@ -33,7 +33,6 @@ from ajet.errors import (
 from ajet.packaging import build_zip, package_tree
 from ajet.protocol import SERVER_CODE, ApprovalState, EngineState
 from swarm_server.settings import Settings
-from tests.hostile import commit_all, git, manifest_entry
 from tests.support import (
     APPROVER_NAME,
     APPROVER_TOKEN,
@@ -44,7 +43,8 @@ from tests.support import (
     make_ajet_repo,
     start_server,
 )
-from tests.swarm_server.fake_engine import server_env
+from tests.support.fake_engine import server_env
+from tests.support.hostile import commit_all, git, manifest_entry
 
 REWARDS = "ajet/engine/rewards.py"
 AJET_SWARM = Path(sys.executable).with_name("ajet-swarm")

@@ -30,7 +30,16 @@ from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.uploads import check_free_disk
-from tests.hostile import (
+from tests.support import (
+    CONTROL_TOKEN,
+    PROJECT_ROOT,
+    WORKER_TOKEN,
+    ServerHandle,
+    make_ajet_repo,
+    start_server,
+)
+from tests.support.fake_engine import server_env
+from tests.support.hostile import (
     HOSTILE_LIMITS,
     blob_record,
     commit_all,
@@ -41,16 +50,7 @@ from tests.hostile import (
     tree_digest,
     tree_repo,
 )
-from tests.support import (
-    CONTROL_TOKEN,
-    PROJECT_ROOT,
-    WORKER_TOKEN,
-    ServerHandle,
-    make_ajet_repo,
-    start_server,
-)
-from tests.swarm_server.fake_engine import server_env
-from tests.swarm_server.test_safe_zip import HOSTILE
+from tests.support.hostile_zips import HOSTILE
 
 SNAPSHOT_PATH = re.compile(r"^ajet_temp/\d{8}_\d{6}_\d{6}/ajet$")
 

@@ -1,6 +1,6 @@
 """Control API against a real server on loopback, with a real (fake) engine subprocess.
 
-The engine is `tests/swarm_server/fake_engine.py`: the real command line and socket
+The engine is `tests/support/fake_engine.py`: the real command line and socket
 contract without torch. Covers the lifecycle, concurrency, crashes, stop of the whole
 process group, auth on every route in the OpenAPI schema, the audit log and the CLI.
 """
@@ -32,7 +32,7 @@ from tests.support import (
     wait_gone,
     wait_status,
 )
-from tests.swarm_server.fake_engine import server_env, set_behaviour, started_pids
+from tests.support.fake_engine import server_env, set_behaviour, started_pids
 
 S = EngineState
 JOB = "experiment_name: ctl-test\nlr: 0.01\n"

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from ajet.client import SwarmClient
-from tests.swarm_server.test_episodes import begin
-from tests.tool_model import (
+from tests.support.episodes import begin
+from tests.support.tool_model import (
     CALL_TEXT,
     CALLS,
     SYSTEM,

@@ -1,6 +1,6 @@
 """Tool-using agents on the episode plane, with the real clients against a real server.
 
-The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/tool_model.py, the
+The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/support/tool_model.py, the
 session's `tool_server`), so every tool call here is a real model output parsed by the
 engine. Each test ends exactly two episodes (batch_size=2, num_repeat=1: one training
 step per test) or aborts them, so a test can read its own metrics line.
@@ -19,8 +19,8 @@ import pytest
 
 from ajet.client import SwarmClient
 from tests.support import WORKER_TOKEN, ServerHandle
-from tests.swarm_server.test_episodes import begin
-from tests.tool_model import (
+from tests.support.episodes import begin
+from tests.support.tool_model import (
     CALL_TEXT,
     CALLS,
     MAX_PROMPT_LENGTH,

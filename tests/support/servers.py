@@ -24,7 +24,7 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState, EngineStatus
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 CONTROL_TOKEN = "test-control-token"
 WORKER_TOKEN = "test-worker-token"
