@@ -55,7 +55,7 @@ class AppServer:
     def transport(self) -> httpx.BaseTransport:
         # TestClient keeps its ASGI transport on httpx's private attribute; other clients
         # on the same transport share the app and its event loop (the blocking portal)
-        return self.http._transport  # noqa: SLF001
+        return self.http._transport
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
         """A `SwarmClient` on this app (no token: an open server's anonymous caller)."""

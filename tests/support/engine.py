@@ -27,8 +27,15 @@ from ajet.engine.generation.interface import (
 )
 from tests.support.servers import PROJECT_ROOT
 
-__all__ = ["EngineHandle", "FakeClock", "SCRIPTED_LOGPROB", "ScriptedGenerator", "StubGenerator",
-           "spawn_engine", "wait_for_state"]
+__all__ = [
+    "SCRIPTED_LOGPROB",
+    "EngineHandle",
+    "FakeClock",
+    "ScriptedGenerator",
+    "StubGenerator",
+    "spawn_engine",
+    "wait_for_state",
+]
 
 
 @dataclass

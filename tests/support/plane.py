@@ -70,7 +70,7 @@ def plane_app(root: Path, *, job: AgentJetJob | None = None,
 
     `with_policy=False`: the state before the model is loaded (the `/v1/*` routes: 503).
     """
-    job = job or AgentJetJob(batch_size=1, num_repeat=1)
+    job = job or AgentJetJob(batch_size=1, num_repeat=1, max_new_tokens=96)
     cfg = engine_config_from_job(job, cuda_devices=0, cpu_count=1)
     registry = EpisodeRegistry(group_size=job.num_repeat, max_in_flight=64,
                                default_timeout_s=600, batch_size=job.batch_size)
