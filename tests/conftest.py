@@ -1,4 +1,5 @@
-"""Shared fixtures: real servers on loopback, temp git repos."""
+"""Shared fixtures: swarm servers (`server_factory`: in process or subprocesses), temp git
+repos, and the tool-calling model of the end-to-end tool tests."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ import pytest
 
 from ajet.client import SwarmClient
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
+from tests.support.factory import ServerFactory
+
+
+@pytest.fixture(scope="module")
+def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    """Swarm servers for this module: `server_factory(env)` in process, shared by calls
+    with the same arguments; `process=True` a real subprocess; `.fresh(...)` one of its
+    own for a block (tests/support/factory.py)."""
+    factory = ServerFactory(tmp_path_factory.mktemp("servers"))
+    yield factory
+    factory.close()
 
 
 @pytest.fixture

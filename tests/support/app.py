@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from starlette import testclient as starlette_testclient
 
 from ajet.client import SwarmClient
 from swarm_server.main import create_app
@@ -31,21 +32,25 @@ from swarm_server.settings import Settings
 
 __all__ = ["AppServer", "app_server", "settings_from_env"]
 
+#: the `httpx` module TestClient's transport speaks (Starlette prefers `httpx2`)
+_TC_HTTPX: Any = starlette_testclient.httpx
 #: the in-process app's URL (TestClient's): clients need a transport to reach it
 APP_URL = "http://testserver"
 
 
 @dataclass
 class AppServer:
-    """A swarm server app running in this process, and a client that reaches it.
+    """A swarm server app running in this process, and clients that reach it.
 
-    `http` is an `httpx.Client` (a `TestClient`) with the app's base URL: call
-    `srv.http.get("/health")`. `client()` gives a `SwarmClient` on the same transport.
+    `http` is a plain `httpx.Client` on the app (`srv.http.get("/health")`), `client()` a
+    `SwarmClient`; both go through the transport of `test_client`, the `TestClient` that
+    holds the app's lifespan and event loop. Timeouts are accepted and not applied.
     """
 
     settings: Settings
     app: FastAPI
-    http: TestClient
+    test_client: TestClient
+    http: httpx.Client
     workdir: Path
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -53,9 +58,13 @@ class AppServer:
 
     @property
     def transport(self) -> httpx.BaseTransport:
-        # TestClient keeps its ASGI transport on httpx's private attribute; other clients
-        # on the same transport share the app and its event loop (the blocking portal)
-        return self.http._transport
+        """A transport into the app for one more client (closing that client is harmless)."""
+        return _SharedTransport(self.test_client)
+
+    def http_as(self, token: str) -> httpx.Client:
+        """A new `httpx.Client` on the app that sends `token` as its bearer token."""
+        return httpx.Client(base_url=self.url, transport=self.transport, timeout=60.0,
+                            headers={"Authorization": f"Bearer {token}"})
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
         """A `SwarmClient` on this app (no token: an open server's anonymous caller)."""
@@ -63,6 +72,43 @@ class AppServer:
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
+
+
+class _SharedTransport(httpx.BaseTransport):
+    """An `httpx` transport into the app, through the `TestClient`'s own transport.
+
+    `TestClient` speaks the `httpx` flavour Starlette picked (`httpx2` where installed), so
+    requests and responses are carried across here, bodies streamed. Its `close` does
+    nothing: closing the inner transport would abort what still streams to other clients,
+    so only the `TestClient` closes it, at the end. No cookies are kept here: each client
+    keeps its own, as over a socket.
+    """
+
+    def __init__(self, test_client: TestClient) -> None:
+        # TestClient keeps its ASGI transport on the client's private attribute; requests
+        # of every client on it run on the app's event loop (TestClient's blocking portal)
+        self._inner = test_client._transport
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        inner = self._inner.handle_request(_TC_HTTPX.Request(
+            request.method, str(request.url), headers=request.headers.raw,
+            content=request.read()))
+        return httpx.Response(inner.status_code, headers=inner.headers.raw,
+                              stream=_Body(inner), request=request)
+
+    def close(self) -> None:
+        pass
+
+
+class _Body(httpx.SyncByteStream):
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._inner.stream
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def settings_from_env(workdir: Path, env: Mapping[str, str] | None = None, *,
@@ -137,8 +183,9 @@ def app_server(workdir: Path, *, env: Mapping[str, str] | None = None,
         with _captured_log(log_path), \
                 _process_env({k: v for k, v in env.items() if not k.startswith("AJET_SWARM_")}):
             app = create_app(settings)
-            with TestClient(app, raise_server_exceptions=False,
-                            headers=dict(headers or {})) as http:
-                yield AppServer(settings, app, http, workdir, log_path, env)
+            with TestClient(app, raise_server_exceptions=False) as test_client, \
+                    httpx.Client(base_url=APP_URL, transport=_SharedTransport(test_client),
+                                 headers=dict(headers or {}), timeout=60.0) as http:
+                yield AppServer(settings, app, test_client, http, workdir, log_path, env)
     finally:
         os.umask(umask)
