@@ -172,10 +172,13 @@ def test_tool_choice_none_required_named_and_parallel(plane: PlaneApp) -> None:
 REFUSED: list[tuple[str, dict[str, Any]]] = [
     ("seed", {"seed": 7}),
     ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("presence_penalty", {"presence_penalty": -1.0}),
+    ("logit_bias", {"logit_bias": {"5": 10}}),
     ("n", {"n": 2}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
     ("max_tokens", {"max_tokens": 5000}),
+    ("max_completion_tokens", {"max_completion_tokens": 1025}),
     ("functions", {"functions": [{"name": "f"}]}),
     ("frobnicate", {"frobnicate": True}),
 ]
@@ -193,11 +196,20 @@ def test_a_parameter_that_cannot_be_honoured_is_a_400_naming_it(
     end(plane, uuid)
 
 
+def test_a_reply_longer_than_the_runs_bound_is_refused_naming_the_bound(plane: PlaneApp) -> None:
+    uuid = begin(plane)
+    limit = plane.cfg.max_response_length
+    r = chat(plane, uuid, max_tokens=limit + 1)
+    assert r.status_code == 400 and f"max_response_length ({limit})" in r.json()["detail"]
+    end(plane, uuid)
+
+
 def test_defaults_are_accepted_and_an_eval_episode_samples_as_asked(plane: PlaneApp) -> None:
     uuid = begin(plane)
     ok = chat(plane, uuid, model="any-name", max_tokens=4, n=1, frequency_penalty=0,
-              logit_bias={}, response_format={"type": "text"}, user="u", metadata={"k": "v"},
-              store=False, top_logprobs=0, temperature=0.7, top_p=0.9).json()
+              presence_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u",
+              metadata={"k": "v"}, store=False, service_tier="auto", top_logprobs=0,
+              temperature=0.7, top_p=0.9, stream_options=None).json()
     assert ok["model"] == plane.model
     assert ok["ajet"]["episode_type"] == "train" and ok["ajet"]["ignored"] == [
         "temperature", "top_p"]

@@ -121,13 +121,15 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(plane: PlaneApp) -> None
     end(plane, uuid)
 
 
-REFUSED: list[tuple[str, dict[str, Any]]] = [
+REFUSED: list[tuple[str, dict[str, Any]]] = [  # (the field named, the body)
     ("previous_response_id", {"previous_response_id": "resp_1"}),
     ("conversation", {"conversation": "conv_1"}),
     ("background", {"background": True}),
     ("text", {"text": {"format": {"type": "json_object"}}}),
     ("include", {"include": ["file_search_call.results"]}),
     ("tools[0].type", {"tools": [{"type": "web_search"}]}),
+    ("tools[0].type", {"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}),
+    ("max_output_tokens", {"max_output_tokens": 4096}),
     ("tools[0].name", {"tools": [{"type": "function"}]}),
     ("input[0].type", {"input": [{"type": "item_reference", "id": "x"}]}),
     ("input[0].role", {"input": [{"type": "message", "role": "tool", "content": "x"}]}),
