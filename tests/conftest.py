@@ -49,7 +49,7 @@ def ajet_repo(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once a session."""
+    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once."""
     from tests.support.tool_model import finetune_tool_model
 
     return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")

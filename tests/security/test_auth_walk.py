@@ -7,7 +7,6 @@ walk, so nobody adds a route without deciding who may call it.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -17,8 +16,6 @@ from tests.support import (
     CONTROL_TOKEN,
     ENFORCING_ENV,
     WORKER_TOKEN,
-    ServerHandle,
-    start_server,
 )
 from tests.support.access import (
     ACCESS,
@@ -30,6 +27,7 @@ from tests.support.access import (
     READER,
     REVIEWER,
 )
+from tests.support.factory import Server, ServerFactory
 
 BAD_CREDENTIALS: list[dict[str, str]] = [
     {}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"},
@@ -43,14 +41,12 @@ def bearer(token: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("walk") / "swarm", env=ENFORCING_ENV)
-    yield handle
-    handle.stop()
+def srv(server_factory: ServerFactory) -> Server:
+    return server_factory(env=ENFORCING_ENV)  # in process: the auth gate is the app's
 
 
-def schema_routes(url: str) -> list[tuple[str, str]]:
-    schema = httpx.get(f"{url}/openapi.json", headers=bearer(CONTROL_TOKEN), timeout=30).json()
+def schema_routes(http: httpx.Client) -> list[tuple[str, str]]:
+    schema = http.get("/openapi.json", headers=bearer(CONTROL_TOKEN)).json()
     return [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
 
 
@@ -58,13 +54,13 @@ def concrete(path: str) -> str:
     return re.sub(r"\{[^}]+\}", "0" * 64, path)
 
 
-def test_the_access_table_names_every_route(srv: ServerHandle) -> None:
-    routes = schema_routes(srv.url)
+def test_the_access_table_names_every_route(srv: Server) -> None:
+    routes = schema_routes(srv.http)
     assert set(routes) == set(ACCESS), "classify new routes in ACCESS (and docs/security.md)"
 
 
-def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHandle) -> None:
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: Server) -> None:
+    with srv.http_as(None) as http:  # no default token: each request sends its own
         for (method, path), access in [*ACCESS.items(), *((r, READER) for r in DOC_ROUTES)]:
             url = concrete(path)
             # a body that is not JSON: refusals must come before any parsing
@@ -102,16 +98,12 @@ def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHa
 
 
 def test_a_server_with_only_a_control_token_refuses_everything_else(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    handle = start_server(tmp_path_factory.mktemp("ctl-only") / "swarm",
-                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN})
-    try:
-        with httpx.Client(base_url=handle.url, timeout=30) as http:
-            for (method, path), access in ACCESS.items():
-                if access in (OPEN, EPISODE_KEY):
-                    continue
-                r = http.request(method, concrete(path), headers=bearer(WORKER_TOKEN))
-                assert r.status_code == 401, (method, path, r.text)
-            assert http.get("/get_engine_status", headers=bearer(CONTROL_TOKEN)).status_code == 200
-    finally:
-        handle.stop()
+        server_factory: ServerFactory) -> None:
+    handle = server_factory(env={"AJET_SWARM_TOKEN": CONTROL_TOKEN})
+    with handle.http_as(None) as http:
+        for (method, path), access in ACCESS.items():
+            if access in (OPEN, EPISODE_KEY):
+                continue
+            r = http.request(method, concrete(path), headers=bearer(WORKER_TOKEN))
+            assert r.status_code == 401, (method, path, r.text)
+        assert http.get("/get_engine_status", headers=bearer(CONTROL_TOKEN)).status_code == 200

@@ -61,10 +61,11 @@ class AppServer:
         """A transport into the app for one more client (closing that client is harmless)."""
         return _SharedTransport(self.test_client)
 
-    def http_as(self, token: str) -> httpx.Client:
-        """A new `httpx.Client` on the app that sends `token` as its bearer token."""
+    def http_as(self, token: str | None) -> httpx.Client:
+        """A new `httpx.Client` on the app that sends `token` as its bearer token
+        (None: no token; each request may send its own)."""
         return httpx.Client(base_url=self.url, transport=self.transport, timeout=60.0,
-                            headers={"Authorization": f"Bearer {token}"})
+                            headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
         """A `SwarmClient` on this app (no token: an open server's anonymous caller)."""

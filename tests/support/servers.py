@@ -63,10 +63,11 @@ class ServerHandle:
             self._http = httpx.Client(base_url=self.url, timeout=60.0)
         return self._http
 
-    def http_as(self, token: str) -> httpx.Client:
-        """A new `httpx.Client` on this server that sends `token` as its bearer token."""
+    def http_as(self, token: str | None) -> httpx.Client:
+        """A new `httpx.Client` on this server that sends `token` as its bearer token
+        (None: no token; each request may send its own)."""
         return httpx.Client(base_url=self.url, timeout=60.0,
-                            headers={"Authorization": f"Bearer {token}"})
+                            headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
         """A `SwarmClient` on this server (no token: an anonymous caller)."""
