@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser demo test bench bench-peers gpu-check clean
+.PHONY: setup browser demo test test-fast bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,13 @@ demo: setup
 # one. `python -m pytest tests/...` still runs a part in one process.
 test: setup browser
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The edit loop: unit tests and the tests that run the server app or the engine's routes
+# in process, about a minute on two cores. Leaves out the `slow` tests and the modules
+# that start real server, engine, CLI or script processes (marked `process` by
+# tests/conftest.py); `make test` runs everything.
+test-fast: setup
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not process"
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
 # browser here). Installed once when missing and the machine allows it (root with

@@ -3,6 +3,7 @@ repos, and the tool-calling model of the end-to-end tool tests."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,22 @@ def tool_tokenizer(tool_model: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tool_model)
+
+
+#: What a test module calls when it starts a real server, engine, CLI or script process:
+#: such modules are marked `process`, and `make test-fast` leaves them out. In-process
+#: servers (`server_factory(...)` without process=True) and the engines they start for a
+#: test are not counted: those modules stay in the fast loop.
+_PROCESS_CALLS = re.compile(
+    r"start_server\(|rolling_server\(|process=True|spawn_engine\(|tool_server|secured_server"
+    r"|\bserver: ServerHandle|subprocess\.(?:run|Popen|check_call|check_output)\(|_cli\(")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    process_modules: dict[Path, bool] = {}
+    for item in items:
+        path = item.path
+        if path not in process_modules:
+            process_modules[path] = bool(_PROCESS_CALLS.search(path.read_text("utf-8")))
+        if process_modules[path]:
+            item.add_marker(pytest.mark.process)
