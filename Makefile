@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser demo test test-fast bench bench-peers gpu-check clean
+.PHONY: setup browser claude-cli demo test test-fast bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,7 @@ demo: setup
 # Two workers, each test file on one of them (module-scoped servers stay shared): most
 # tests wait on servers and subprocesses, so two workers on two cores finish well before
 # one. `python -m pytest tests/...` still runs a part in one process.
-test: setup browser
+test: setup browser claude-cli
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # The edit loop: unit tests and the tests that run the server app or the engine's routes
@@ -42,6 +42,17 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
 	    >/dev/null) || echo "make: chromium could not be installed; browser tests will skip"; \
 	else echo "make: no /usr/bin/chromium and no root apt-get; browser tests will skip"; fi
+
+# The README's Claude Code lines are tried on the real `claude` CLI
+# (tests/test_readme_commands.py): installed once from the npm registry into .venv/claude
+# when npm is there; otherwise that test skips and says why.
+claude-cli: setup
+	@if [ -x $(VENV)/claude/node_modules/.bin/claude ]; then :; \
+	elif command -v npm >/dev/null 2>&1; then \
+	  echo "make: installing the claude CLI for the README test (npm, once)"; \
+	  npm install --silent --no-fund --no-audit --prefix $(VENV)/claude @anthropic-ai/claude-code \
+	    >/dev/null 2>&1 || echo "make: the claude CLI could not be installed; its test will skip"; \
+	else echo "make: no npm; the README's claude test will skip"; fi
 
 bench: setup
 	$(PY) -m bench

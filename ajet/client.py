@@ -14,6 +14,7 @@ Compatibility path: `from ajet.tuner_lib.experimental.swarm_client import SwarmC
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -169,6 +170,15 @@ class SwarmClient(OriginalClientMixin):
         text = job.to_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
 
+    def check_config(self, job: AgentJetJob | str) -> ConfigAccepted:
+        """Validate a job with the active code's validator; the server stores nothing.
+
+        Allowed in any engine state: check before stopping a run for a new config.
+        """
+        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        return self._call("POST", "/sync_train_config", json={"yaml": text, "check_only": True},
+                          model=ConfigAccepted)
+
     def get_train_config(self) -> ConfigAccepted | None:
         """The job the next start runs with, or None if the server has none yet."""
         try:
@@ -206,6 +216,7 @@ class SwarmClient(OriginalClientMixin):
                     "call stop_run() first or pass force_restart=True",
                     method="POST", path="/sync_train_config",
                 )
+            self.check_config(job)  # a refused config must not stop the run
             self.stop_run(reason="configure_and_start(force_restart=True)")
         self.submit_config(job)
         return self.start_run(wait=True, wait_timeout=wait_timeout)
@@ -239,7 +250,7 @@ class SwarmClient(OriginalClientMixin):
                 )
             time.sleep(poll_interval)
 
-    # ------------------------------------------------------------------ code (issue 4)
+    # ------------------------------------------------------------------ code
 
     def push_code(self, path: str | os.PathLike[str],
                   force_restart: bool = False) -> CodeSyncResult:
@@ -324,7 +335,7 @@ class SwarmClient(OriginalClientMixin):
         params = {"keep": keep} if keep is not None else None
         return self._call("POST", "/code/gc", params=params, model=GCResult)
 
-    # ------------------------------------------------------------------ runs (issue 5)
+    # ------------------------------------------------------------------ runs
 
     def list_runs(self, *, experiment_name: str | None = None, status: str | None = None,
                   offset: int = 0, limit: int = 20) -> RunsPage:
@@ -372,7 +383,7 @@ class SwarmClient(OriginalClientMixin):
 
         return compare_runs(self, run_ids, metric)
 
-    # ------------------------------------------------------------------ episodes (issue 3)
+    # ------------------------------------------------------------------ episodes
 
     def open_episode(self, discard_episode_timeout: float | None = None, *,
                      episode_type: str = "train", client_uuid: str | None = None,
@@ -456,6 +467,13 @@ class SwarmClient(OriginalClientMixin):
                 f"auto_start_swarm_server needs a localhost URL with a port, got {self.server_url}; "
                 "start the server on the cluster with `ajet-swarm start --swarm-port=10086`"
             )
+        missing = [m for m in ("fastapi", "uvicorn", "pydantic_settings") if not _importable(m)]
+        if missing:
+            raise SwarmConnectionError(
+                f"no server answers at {self.server_url}, and auto_start_swarm_server cannot "
+                f"start one here: {', '.join(missing)} is not installed (a laptop-only "
+                "install). Install the server extra: pip install 'agentjet-swarm[server]', "
+                "or start the server where it is installed (`ajet-swarm start`)")
         workdir.mkdir(parents=True, exist_ok=True)
         self._server_log = workdir / "swarm_server.log"
         cmd = [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={parts.port}",
@@ -492,3 +510,10 @@ def _tail(path: Path, n: int) -> str:
     except OSError:
         return ""
 
+
+def _importable(module: str) -> bool:
+    """True when `module` can be imported here (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        return False

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ajet.errors import (
+    ApprovalPending,
     EngineStateConflict,
     SwarmConnectionError,
     SwarmError,
@@ -44,6 +45,7 @@ from ajet.errors import (
     SwarmTimeout,
 )
 from ajet.original_wire import OriginalBodyError, end_request_from_output
+from ajet.protocol import ApprovalState
 from ajet.schema.task import Task, WorkflowOutput
 from ajet.tuner_lib.as_oai_baseurl_apikey import OpenaiBaseUrlAndApiKey
 from ajet.tuner_lib.experimental.interchange_utils import (
@@ -276,19 +278,40 @@ class OriginalClientMixin:
                                  force_restart: bool = False) -> dict[str, Any]:
         """Sync the git-tracked files under `<directory_path>/ajet`.
 
-        As in the original, `force_restart=True` stops the engine first and leaves it
-        OFFLINE on the new code (the next start uses it); this project's
-        `push_code(path, force_restart=True)` restarts it instead. The upload is
-        incremental: only files the server lacks are sent.
+        As in the original, `force_restart=True` stops the engine and leaves it OFFLINE on
+        the new code (the next start uses it); this project's `push_code(path,
+        force_restart=True)` restarts it instead. The upload is incremental: only files
+        the server lacks are sent. Every check runs before the engine is stopped: the
+        folder is packaged, uploaded and stored first, and a snapshot the server will not
+        run (awaiting approval) is refused with the engine left as it was.
         """
-        if force_restart:
-            log.warning("Force restarting the engine...")
-            self.stop_engine()
-        status, _ = self.get_engine_status()
-        if status != OFFLINE:
-            raise SwarmStateError("Cannot sync train code when engine is NOT ENGINE.OFFLINE. "
-                                  f"(current status: {status}); pass force_restart=True")
-        result = self._typed().push_code(directory_path).model_dump(mode="json")
+        from ajet.code_sync import push_package
+        from ajet.packaging import package_tree
+
+        package = package_tree(directory_path)  # PackagingError: nothing has changed yet
+        typed = self._typed()
+        if not force_restart:
+            status, _ = self.get_engine_status()
+            if status != OFFLINE:
+                raise SwarmStateError("Cannot sync train code when engine is NOT "
+                                      f"ENGINE.OFFLINE. (current status: {status}); pass "
+                                      "force_restart=True")
+            result = push_package(typed, package).model_dump(mode="json")
+        else:
+            stored = push_package(typed, package, activate=False)
+            approval = stored.approval.state if stored.approval else ApprovalState.NOT_ENFORCED
+            if approval not in (ApprovalState.APPROVED, ApprovalState.NOT_ENFORCED):
+                raise ApprovalPending(
+                    409, f"snapshot {stored.snapshot_id[:12]} is {approval}: the server will "
+                    "not run it, and the engine was left as it was",
+                    "ask an approver to approve it (web console /ui), then sync again",
+                    method="POST", path="/code/commit")
+            status, _ = self.get_engine_status()
+            if status != OFFLINE:
+                log.warning("Force restarting the engine...")
+                self.stop_engine()
+            result = typed.activate_snapshot(stored.snapshot_id).model_dump(mode="json")
+            result.update(files=stored.files, bytes_uploaded=stored.bytes_uploaded)
         self._info(f"Synced train code to Swarm server: {result['temp_ajet_code_path']}")
         return {**result, "local_zip_file_path": None, "local_zip_file_count": result["files"]}
 
@@ -301,7 +324,8 @@ class OriginalClientMixin:
         BOOTING / WEIGHT_SYNCING: wait for ROLLING; unreachable: retry once, then raise.
         `force_restart=True` stops a running engine first.
         """
-        if force_restart:
+        if force_restart and self.get_engine_status()[0] != OFFLINE:
+            self._typed().check_config(agentjet_job)  # a refused config must not stop the run
             log.warning("Force restarting the engine...")
             self.stop_engine()
             time.sleep(self.retry.restart_settle_s)

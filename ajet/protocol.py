@@ -84,7 +84,7 @@ class EngineState(str, enum.Enum):
 
 
 class ApprovalState(str, enum.Enum):
-    """Where a snapshot stands with the server's approvers (DESIGN.md point 8)."""
+    """Where a snapshot stands with the server's approvers (docs/design.md, "Approvals")."""
 
     #: The server has no approver tokens: nothing is enforced (laptop-side approval only).
     NOT_ENFORCED = "not_enforced"
@@ -183,6 +183,10 @@ class SyncConfigRequest(_Model):
                                   "`yaml_as_string`)",
                       max_length=1_000_000,
                       validation_alias=AliasChoices("yaml", "yaml_as_string"))
+    check_only: bool = Field(
+        default=False, description="Validate with the active code's validator and store "
+                                   "nothing; allowed in any engine state (a check before a "
+                                   "restart, so a refused config never stops a run)")
 
 
 class ConfigNote(BaseModel):

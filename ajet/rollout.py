@@ -14,6 +14,9 @@ episodes have ended. Per episode: `begin_episode`, the workflow, `end_episode`. 
 workflow exception aborts the episode and the task is retried (at most
 `max_attempts` times); 409 from `begin_episode` (engine not ROLLING) backs off and
 retries; an episode the engine re-queued (idle timeout) is redone, so groups complete.
+A workflow that fails the same way `max_identical_errors` times in a row (a missing
+package, a wrong URL) stops the runner: `stats().stopped_reason` names the error and
+what to do, instead of retrying forever.
 
 No torch here: this runs on the laptop (`ajet.rollout` is imported by the MCP bridge).
 """
@@ -69,6 +72,8 @@ class RolloutStats:
     recent_reward_mean: float | None
     elapsed_s: float
     last_error: str | None
+    #: set when the runner stopped itself: the repeated error and the fix
+    stopped_reason: str | None = None
 
 
 @dataclass
@@ -106,7 +111,8 @@ class RolloutRunner:
 
     def __init__(self, client: SwarmClient, workflow: WorkflowFn,
                  tasks: Sequence[dict[str, Any]], *, n_workers: int = 4, num_repeat: int = 1,
-                 max_episodes: int | None = None, max_attempts: int = 3) -> None:
+                 max_episodes: int | None = None, max_attempts: int = 3,
+                 max_identical_errors: int = 20) -> None:
         if not tasks:
             raise ValueError("no tasks: pass at least one task dict with a task_id")
         missing = [i for i, t in enumerate(tasks) if "task_id" not in t]
@@ -120,6 +126,7 @@ class RolloutRunner:
         self.num_repeat = num_repeat
         self.max_episodes = max_episodes
         self.max_attempts = max_attempts
+        self.max_identical_errors = max_identical_errors
         self._feed = _TaskFeed(tasks, num_repeat)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -130,6 +137,9 @@ class RolloutRunner:
         self._reward_sum = 0.0
         self._recent: deque[float] = deque(maxlen=100)
         self._last_error: str | None = None
+        #: (signature, count) of the workflow errors in a row; a success resets it
+        self._error_streak: tuple[str, int] = ("", 0)
+        self._stopped_reason: str | None = None
 
     # ------------------------------------------------------------------ control
 
@@ -169,7 +179,7 @@ class RolloutRunner:
                 recent_reward_mean=sum(self._recent) / len(self._recent) if self._recent
                 else None,
                 elapsed_s=time.monotonic() - self._started if self._started else 0.0,
-                last_error=self._last_error)
+                last_error=self._last_error, stopped_reason=self._stopped_reason)
 
     # ------------------------------------------------------------------ worker
 
@@ -219,6 +229,8 @@ class RolloutRunner:
                 self._last_error = f"task {task_id}: {exc!r}"
                 give_up = item.attempts >= self.max_attempts
                 self._given_up += give_up
+            if self._count_identical(exc):
+                return
             if give_up:
                 log.warning("task %s failed %d times; giving it up: %r", task_id, item.attempts,
                             exc)
@@ -242,6 +254,7 @@ class RolloutRunner:
                 return
             raise
         with self._lock:
+            self._error_streak = ("", 0)
             self._ended += 1
             self._reward_sum += output.reward
             self._recent.append(output.reward)
@@ -254,10 +267,34 @@ class RolloutRunner:
         with self._lock:
             self._aborted += 1
 
+    def _count_identical(self, exc: Exception) -> bool:
+        """Count `exc` in the streak; at the bound, stop the runner. True once stopped."""
+        signature = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            same, count = self._error_streak
+            count = count + 1 if signature == same else 1
+            self._error_streak = (signature, count)
+            if count < self.max_identical_errors or self._stopped_reason:
+                return self._stopped_reason is not None
+            self._stopped_reason = (f"{_fix_for(exc)} (stopped after {count} identical "
+                                    f"workflow errors: {signature[:150]})")
+        log.error("rollouts: %s", self._stopped_reason)
+        self._stop.set()
+        return True
+
     def _note_error(self, text: str) -> None:
         log.warning("%s", text)
         with self._lock:
             self._last_error = text
+
+
+def _fix_for(exc: Exception) -> str:
+    """What to do about a workflow error that repeats."""
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        top = exc.name.split(".")[0]
+        return (f"the workflow needs {top!r}: pip install {top} where it runs "
+                "('agentjet-swarm[laptop]' has what the examples need)")
+    return "fix the workflow (run it by hand on one task)"
 
 
 def _as_output(result: float | WorkflowOutput) -> WorkflowOutput:

@@ -12,7 +12,7 @@ per episode, `begin_episode`, one chat completion of a 32-character prompt with
 - directly on the engine's Unix socket (docs/internals.md, "The engine process"), as the
   server's gateway itself calls it, with `X-Episode-UUID`.
 
-Three figures (issue 23; goals in DESIGN.md "Budgets"):
+Three figures (goals in docs/design.md, "Budgets"):
 
 - **server CPU time per proxied call**, from the server process's own CPU counters
   (user + system, `psutil`), over `3 x calls_per_kind` calls run kind by kind (so each
@@ -48,7 +48,7 @@ from bench.report import Row
 __all__ = ["run"]
 
 RERUN = "python -m bench --only episodes"
-#: Goals of issue 23 (DESIGN.md "Budgets", episode plane).
+#: Goals of the episode plane's CPU budget (docs/design.md, "Budgets", episode plane).
 CPU_TARGET_MS = 0.5
 LATENCY_TARGET_MS = 1.0
 THROUGHPUT_TARGET = 0.8

@@ -3,7 +3,7 @@
     python -m bench --only generation
     python -m bench.bench_generation --reps 5      # the figures alone, as JSON
 
-The workload (issue 17): 16 concurrent requests, 256-token prompts (random token ids,
+The workload: 16 concurrent requests, 256-token prompts (random token ids,
 each prompt its own), 64 new tokens each (no end-of-sequence token, so every request
 runs to its length). Both generators run in one process on the same model, one after
 the other, with one torch thread, as the engine runs on CPU (`cpu_threads`):

@@ -1,6 +1,6 @@
 """Learning benchmark: does the engine visibly improve ajet-tiny on a CPU, and how fast?
 
-The criterion (issue 3): with `model=ajet-tiny`, `batch_size=4`, `num_repeat=8` and 4
+The criterion: with `model=ajet-tiny`, `batch_size=4`, `num_repeat=8` and 4
 concurrent rollout workers (the digits workflow, `examples/digits_workflow.py`), the mean
 reward of the last 3 steps exceeds that of the first 3 by at least 0.3 within 90 s of
 wall time, counted from the `start_engine` call (boot included), and every metrics line

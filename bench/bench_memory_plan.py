@@ -1,4 +1,4 @@
-"""The memory planner's estimate against the measured peak (issue 21).
+"""The memory planner's estimate against the measured peak.
 
     python -m bench --only memory_plan
 

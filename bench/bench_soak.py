@@ -1,4 +1,4 @@
-"""Row 7: the soak of issue 20 (`bench/soak.py`), for its speed and memory.
+"""Row 7: the soak of the hardening round (`bench/soak.py`), for its speed and memory.
 
     python -m bench --only soak
 

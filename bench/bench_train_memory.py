@@ -1,4 +1,4 @@
-"""Training memory at scale: FSDP2 shards, and one long micro-batch (issue 16).
+"""Training memory at scale: FSDP2 shards, and one long micro-batch.
 
     python -m bench --only train_memory
 

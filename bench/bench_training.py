@@ -7,7 +7,7 @@ Runs of `bench.bench_learning.measure_learning` (the engine engineer's benchmark
 issue-3 criterion: `batch_size=4`, `num_repeat=8`, the digits workflow, 4 workers, 90 s
 budget from `start_engine`), each in a work directory kept until the end so that its
 `metrics.jsonl` can be read here: first with the generator that recomputes every prefix
-(`AJET_ENGINE_GENERATION=recompute`, the engine before issue 17: the reference of the
+(`AJET_ENGINE_GENERATION=recompute`, the engine before generation: the reference of the
 throughput rows), then with the default KV-cached one, then with LoRA. Steps per minute
 and tokens per second are medians over a run's steps (the first step, which waits for
 the workers to start, is left out): each step is one repetition. A run stops once the
@@ -77,7 +77,7 @@ def run(ctx: BenchContext) -> list[Row]:
     cfg = figures.config
     setup = (f"bs {cfg['batch_size']} x {cfg['num_repeat']}, {cfg['n_workers']} workers, "
              f"{figures.steps} steps")
-    reference = "recompute generator, before issue 17" if before else ""
+    reference = "recompute generator, before generation" if before else ""
     if before:
         setup += f"; reference {len(before[0]) + 1} steps"
     rows = [

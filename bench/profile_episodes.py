@@ -1,4 +1,4 @@
-"""Profile the swarm server on the episode plane with py-spy (issue 23).
+"""Profile the swarm server on the episode plane with py-spy.
 
     python -m bench.profile_episodes [--seconds 20] [--workers 1] [--out profile.txt]
 

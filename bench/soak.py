@@ -1,5 +1,5 @@
 """The soak: mixed traffic against one real server and engine, and an account of every
-episode (issue 20).
+episode.
 
     report = run_soak(target, SoakConfig())     # traffic; stops the run at the end
     ledger = account(report, target.workdir)    # per run: client and engine side by side
@@ -55,7 +55,7 @@ __all__ = ["Episode", "Hostile", "RunAccount", "SoakConfig", "SoakReport", "Soak
 
 log = logging.getLogger(__name__)
 
-#: An answer slower than this is a wedge (issue 20).
+#: An answer slower than this is a wedge.
 WEDGE_S = 5.0
 #: Backtracks without end on any ordinary log line (`re`, and `regex` without a timeout).
 REGEX_BOMB = r"(.|..)*\d{5}"
@@ -77,7 +77,7 @@ with httpx.Client(timeout=%r) as http:
 #: begin/abort pairs of the churn attack (the gateway table must not grow with them)
 CHURN = 50
 _STOP_LINE = re.compile(r"episodes at stop: (\{.*\})")
-#: The function a share of the soak's chats offer (OpenAI function calling, issue 15).
+#: The function a share of the soak's chats offer (OpenAI function calling).
 ADD_TOOL: dict[str, Any] = {"type": "function", "function": {
     "name": "add", "description": "Add two integers.",
     "parameters": {"type": "object", "required": ["a", "b"], "properties": {
@@ -260,7 +260,7 @@ class _Soak:
 
     def chat_body(self, messages: list[dict[str, Any]], *, tools: bool) -> dict[str, Any]:
         """A chat of the conversation so far; with `tools`, the `add` function offered
-        (issue 15). The tiny model's replies need not call it."""
+        (OpenAI function calling). The tiny model's replies need not call it."""
         body: dict[str, Any] = {"model": "ajet-tiny", "max_tokens": 4, "messages": messages}
         if tools:
             body["tools"] = [ADD_TOOL]

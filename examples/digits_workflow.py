@@ -8,8 +8,11 @@ Run against a running swarm server (`ajet-swarm start --swarm-port=10086`):
 
     python examples/digits_workflow.py --swarm-url http://127.0.0.1:10086
 
-If the engine is OFFLINE this sends a default job (ajet-tiny) and starts it, then runs
-4 rollout workers until Ctrl-C (or `--max-episodes`), printing each new metrics line.
+If the engine is OFFLINE this starts it on the job the server has stored; with
+`--configure` it first sends the default job (ajet-tiny), replacing the stored one. It
+never replaces a stored job unless asked, and says which job it runs. Then it runs 4
+rollout workers until Ctrl-C (or `--max-episodes`), printing each new metrics line.
+The workflow needs the `openai` package: `pip install 'agentjet-swarm[laptop]'` has it.
 For the MCP bridge's `start_rollouts`, the workflow spec is
 `examples/digits_workflow.py:workflow`.
 """
@@ -75,9 +78,32 @@ def workflow(task: dict[str, Any], episode: BeginEpisodeResponse) -> WorkflowOut
                           metadata={"reply": reply[:200]})
 
 
+def _prepare_engine(client: Any, *, configure: bool, start: bool,
+                    out: logging.Logger) -> int | None:
+    """Bring the engine to a job to run; the job's `num_repeat`, or None with the reason."""
+    from ajet.copilot.job import AgentJetJob
+
+    if configure:
+        job = AgentJetJob()
+        out.info("--configure: sending the default job (%s), replacing the stored one",
+                 job.model)
+        client.configure_and_start(job, force_restart=True)
+        return job.num_repeat
+    stored = client.get_train_config()
+    if stored is None:
+        out.error("the server has no job stored: pass --configure to send the default job "
+                  "(ajet-tiny), or configure one first (MCP tool 'configure')")
+        return None
+    out.info("using the job stored on the server: %s (%s)", stored.experiment_name,
+             stored.config.get("model"))
+    if client.engine_status().state == EngineState.OFFLINE and start:
+        out.info("engine is OFFLINE: starting it on the stored job")
+        client.start_run(wait=True)
+    return int(stored.config.get("num_repeat", 1))
+
+
 def main(argv: list[str] | None = None) -> int:
     from ajet.client import SwarmClient
-    from ajet.copilot.job import AgentJetJob
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--swarm-url", required=True, help="e.g. http://127.0.0.1:10086")
@@ -85,20 +111,23 @@ def main(argv: list[str] | None = None) -> int:
                    help="worker or control token (default: AJET_SWARM_TOKEN / _WORKER_TOKEN)")
     p.add_argument("--workers", type=int, default=4, help="concurrent rollout workers")
     p.add_argument("--max-episodes", type=int, default=None, help="stop after this many")
+    p.add_argument("--configure", action="store_true",
+                   help="send the default job (ajet-tiny), replacing the stored one, and start")
     p.add_argument("--no-start", action="store_true",
-                   help="do not configure and start an OFFLINE engine")
+                   help="do not start an OFFLINE engine")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     out = logging.getLogger("digits")
 
     client = SwarmClient(args.swarm_url, token=args.token)
-    job = AgentJetJob()
-    if client.engine_status().state == EngineState.OFFLINE and not args.no_start:
-        out.info("engine is OFFLINE: starting it with the default job (%s)", job.model)
-        client.configure_and_start(job)
+    num_repeat = _prepare_engine(client, configure=args.configure, start=not args.no_start,
+                                 out=out)
+    if num_repeat is None:
+        client.close()
+        return 2
     runner = RolloutRunner(client, workflow, TASKS, n_workers=args.workers,
-                           num_repeat=job.num_repeat, max_episodes=args.max_episodes)
+                           num_repeat=num_repeat, max_episodes=args.max_episodes)
     runner.start()
     seen = 0
     try:
@@ -108,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                                         fields=["reward_mean", "success_rate", "step_time_s"]
                                         ).points
             for point in points:
-                out.info("step %3d  reward %.3f  success %.2f  (%.2f s)", point["step"],
-                         point["reward_mean"], point["success_rate"], point["step_time_s"])
+                success = point.get("success_rate")
+                out.info("step %3d  reward %.3f  success %s  (%.2f s)", point["step"],
+                         point["reward_mean"], "n/a" if success is None else f"{success:.2f}",
+                         point["step_time_s"])
                 seen = max(seen, int(point["step"]))
     except KeyboardInterrupt:
         out.info("stopping the workers")

@@ -261,7 +261,10 @@ class MetricTrend(BaseModel):
     min: float | None = None
     max: float | None = None
     mean: float | None = None
-    change: float | None = Field(default=None, description="last - first over the window")
+    change: float | None = Field(
+        default=None, description="The least-squares rise over the window (slope x steps): "
+                                  "the trend `direction` names, less fooled by noisy ends "
+                                  "than last - first")
     direction: Literal["up", "down", "flat", "n/a"] = "n/a"
     points: int = 0
 

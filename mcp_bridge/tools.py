@@ -343,6 +343,7 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
     ys = [y for _, y in pairs]
     lo, hi = min(ys), max(ys)
     direction: Literal["up", "down", "flat"] = "flat"
+    rise = 0.0
     if len(pairs) >= 2 and hi > lo:
         # Least-squares slope over the window: less fooled by one noisy end point than
         # last - first. "flat" when the fitted rise is under 10% of the observed range.
@@ -355,7 +356,7 @@ def _trend(name: str, points: Sequence[dict[str, Any]]) -> MetricTrend:
             direction = "up" if rise > 0 else "down"
     return MetricTrend(metric=name, first=_round(ys[0]), last=_round(ys[-1]), min=_round(lo),
                        max=_round(hi), mean=_round(sum(ys) / len(ys)),
-                       change=_round(ys[-1] - ys[0]), direction=direction, points=len(ys))
+                       change=_round(rise), direction=direction, points=len(ys))
 
 
 def read_logs(bridge: Bridge, *, run_id: str = "current", tail: int = 50,
@@ -502,7 +503,7 @@ def _rollout_info(job: RolloutHandle) -> RolloutInfo:
         raw = job.stats()
     except Exception as exc:  # the runner's stats must never break a status call
         raw, error = {}, f"stats unavailable: {exc}"
-    stats = {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v)[:200])
+    stats = {k: (v if isinstance(v, (int, float, bool, type(None))) else str(v)[:400])
              for k, v in list(raw.items())[:20]}
     return RolloutInfo(handle=job.handle, workflow=job.workflow, running=job.running(),
                        n_workers=job.n_workers, num_repeat=job.num_repeat, tasks=job.tasks,
@@ -558,9 +559,29 @@ def rollout_status(bridge: Bridge, *, handle: str | None = None) -> RolloutStatu
     infos = [_rollout_info(j) for j in jobs]
     running = sum(1 for i in infos if i.running)
     message = f"{running} running, {len(infos) - running} stopped rollout job(s) shown."
-    message += (f" Next: {ToolName.READ_METRICS}." if running else
-                f" Next: {ToolName.START_ROLLOUTS} to send episodes.")
+    failing = next((i for i in infos if _rollout_failure(i)), None)
+    if failing is not None:
+        message += (f" Rollouts {failing.handle} are failing: {_rollout_failure(failing)} "
+                    f"Next: fix the workflow, {ToolName.STOP_ROLLOUTS} if it still runs, then "
+                    f"{ToolName.START_ROLLOUTS} again.")
+    else:
+        message += (f" Next: {ToolName.READ_METRICS}." if running else
+                    f" Next: {ToolName.START_ROLLOUTS} to send episodes.")
     return RolloutStatusResult(message=message, rollouts=infos)
+
+
+def _rollout_failure(info: RolloutInfo) -> str | None:
+    """Why a rollout job produces no episodes: it stopped on a repeated error, or every
+    episode so far failed in the workflow."""
+    stats = info.stats
+    if stats.get("stopped_reason"):
+        return str(stats["stopped_reason"])
+    if info.error and not info.running:
+        return info.error
+    if stats.get("workflow_errors") and not stats.get("episodes_ended"):
+        return (f"{stats['workflow_errors']} workflow error(s) and no episode ended; last: "
+                f"{stats.get('last_error')}.")
+    return None
 
 
 def stop_rollouts(bridge: Bridge, *, handle: str | None = None) -> RolloutStopResult:

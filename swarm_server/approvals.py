@@ -1,4 +1,4 @@
-"""`Approvals`: server-enforced human approval of code snapshots (DESIGN.md point 8).
+"""`Approvals`: server-enforced human approval of code snapshots (docs/design.md, "Approvals").
 
 With approver tokens configured (`Settings.approvers`), every snapshot that no approver
 approved is *pending* and cannot run: the engine controller asks `require_runnable`

@@ -4,7 +4,7 @@ Roles: `control` (everything but approving), `worker` (episodes and read-only ro
 named `approver`s (the approval routes, and the server-side review). With no token
 configured the server is open (it then only binds loopback; see `Settings`). Tokens are
 compared in constant time. An approver token opens only the approval routes and the
-code-review routes; the control token never approves (DESIGN.md point 8). Episode API
+code-review routes; the control token never approves (docs/design.md, "Approvals"). Episode API
 keys for the `/v1/*` routes are a separate mechanism (`swarm_server.episode_keys`,
 checked by `swarm_server.limits`).
 

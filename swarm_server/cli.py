@@ -5,7 +5,9 @@
     ajet-swarm stop   [--swarm-url URL]      # stops the engine, then the server
     ajet-swarm approvals list | show REF | approve REF | deny REF | revoke REF
 
-`start` writes `<workdir>/swarm_server.pid` so that `stop` can find the process.
+`start` writes `<workdir>/swarm_server.pid` (the pid and the process's start time) so that
+`stop` can find the process, and `stop` signals it only when that pid is still this
+server (same start time, a `swarm_server` command line), never a process that reused it.
 `approvals` is for headless approvers: it reads one approver token from
 `AJET_SWARM_APPROVER_TOKEN` (the server's own list is `AJET_SWARM_APPROVER_TOKENS`) and
 prints the review the server computed from its own files, every control character
@@ -72,6 +74,12 @@ def _default_url() -> str:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "start":
+        missing = _missing_server_modules()
+        if missing:
+            sys.stderr.write(f"ajet-swarm: the swarm server needs the server extra, and "
+                             f"{', '.join(missing)} is not installed: pip install "
+                             "'agentjet-swarm[server]' (or '[cluster]' for the engine too)\n")
+            return 2
         return _start(args)
     if args.command == "status":
         return _status(args)
@@ -101,9 +109,17 @@ def _start(args: argparse.Namespace) -> int:
         for err in exc.errors():
             sys.stderr.write(f"ajet-swarm: {err['msg'].removeprefix('Value error, ')}\n")
         return 2
+    busy = _port_in_use(settings.host, settings.port)
+    if busy:
+        sys.stderr.write(
+            f"ajet-swarm: port {settings.port} on {settings.host} is already in use ({busy}). "
+            f"Is a server running there? `ajet-swarm status --swarm-url "
+            f"http://{settings.host}:{settings.port}`; or start on another port with "
+            "--swarm-port\n")
+        return 2
     app = create_app(settings)
     pid_file = workdir / "swarm_server.pid"
-    pid_file.write_text(str(os.getpid()))
+    pid_file.write_text(json.dumps({"pid": os.getpid(), "started": _start_time(os.getpid())}))
     try:
         # loop "auto": uvloop where it is installed (the server extra has it, but on
         # Windows), else asyncio; the protocol: httptools where installed, else h11
@@ -114,9 +130,80 @@ def _start(args: argparse.Namespace) -> int:
                                              parser=settings.http_parser),
                     h11_max_incomplete_event_size=settings.max_header_bytes)
     finally:
-        if pid_file.exists() and pid_file.read_text().strip() == str(os.getpid()):
+        if _pid_of(pid_file) == (os.getpid(), _start_time(os.getpid())):
             pid_file.unlink()
     return 0
+
+
+#: Modules `ajet-swarm start` imports: the `server` extra.
+_SERVER_MODULES = ("fastapi", "uvicorn", "pydantic_settings", "psutil", "jinja2", "multipart")
+
+
+def _missing_server_modules() -> list[str]:
+    import importlib.util
+
+    def missing(name: str) -> bool:
+        try:
+            return importlib.util.find_spec(name) is None
+        except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+            return True
+
+    return [name for name in _SERVER_MODULES if missing(name)]
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound now, or None when it can."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
+    return None
+
+
+def _start_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
+
+
+def _pid_of(pid_file: Path) -> tuple[int, float | None] | None:
+    """(pid, start time) from a pid file; a plain pid from an older server has no time."""
+    try:
+        text = pid_file.read_text().strip()
+    except OSError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if isinstance(data, int):
+        return data, None
+    if isinstance(data, dict) and isinstance(data.get("pid"), int):
+        return data["pid"], data.get("started")
+    return None
+
+
+def _is_this_server(pid: int, started: float | None) -> bool:
+    """`pid` runs a swarm server, and the same process that wrote the pid file."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        if started is not None and abs(proc.create_time() - started) > 0.01:
+            return False
+        cmdline = " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    return "swarm_server" in cmdline or "ajet-swarm" in cmdline
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -147,12 +234,22 @@ def _stop(args: argparse.Namespace) -> int:
     if not pid_file.exists():
         sys.stderr.write(f"ajet-swarm: no pid file at {pid_file}; is the server's workdir there?\n")
         return 1
-    pid = int(pid_file.read_text().strip())
+    found = _pid_of(pid_file)
+    if found is None:
+        sys.stderr.write(f"ajet-swarm: {pid_file} is not a pid file this server wrote; "
+                         "remove it and find the server with `ps`\n")
+        return 1
+    pid, started = found
+    if not _is_this_server(pid, started):
+        sys.stderr.write(f"ajet-swarm: no swarm server runs as pid {pid} any more (the pid "
+                         f"file {pid_file} is stale); removed it. Nothing was signalled.\n")
+        pid_file.unlink(missing_ok=True)
+        return 1
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:
-        sys.stderr.write(f"ajet-swarm: no server process {pid}; removing stale pid file\n")
         pid_file.unlink(missing_ok=True)
+        sys.stderr.write(f"ajet-swarm: server {pid} had already exited\n")
         return 1
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:

@@ -1,6 +1,6 @@
 """Validate a job's YAML with the *active code's* own validator, in a short subprocess.
 
-DESIGN.md: whatever a researcher may patch runs from the active snapshot, config
+docs/design.md: whatever a researcher may patch runs from the active snapshot, config
 validation included, so a synced change to `ajet/copilot/job.py` takes effect. The
 server therefore never imports the job model itself; it runs
 `python -m ajet.copilot.validate` with the snapshot first on `PYTHONPATH` and reads one

@@ -271,12 +271,18 @@ class EngineController:
 
     # ------------------------------------------------------------------ config
 
-    def set_config(self, yaml_text: str, *, role: str) -> ConfigAccepted:
-        """Validate with the active code's validator and store; only while OFFLINE."""
+    def set_config(self, yaml_text: str, *, role: str, check_only: bool = False
+                   ) -> ConfigAccepted:
+        """Validate with the active code's validator and store; only while OFFLINE.
+
+        `check_only` validates and stores nothing, in any state: clients check a config
+        before they stop a run for it, so a refused config leaves the run as it was.
+        """
+        action = "check_config" if check_only else "sync_config"
         with self._lifecycle:
             try:
                 state = self.state
-                if state is not EngineState.OFFLINE:
+                if state is not EngineState.OFFLINE and not check_only:
                     raise EngineStateError(
                         f"engine is {state}; the config can change only while ENGINE.OFFLINE",
                         "call stop_engine first, then sync_train_config; or use "
@@ -290,16 +296,18 @@ class EngineController:
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
             except ApiError as exc:
-                self.ledger.audit("sync_config", role, f"refused: {_short(exc.detail)}",
+                self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
                 raise
-            self.ledger.set_meta(LAST_CONFIG_KEY, checked.yaml_text)
-            self.ledger.audit("sync_config", role, "ok",
+            if not check_only:
+                self.ledger.set_meta(LAST_CONFIG_KEY, checked.yaml_text)
+            self.ledger.audit(action, role, "ok",
                               {"config_hash": checked.config_hash,
                                "experiment_name": checked.experiment_name})
-        log.info("config accepted: experiment %s, hash %s", checked.experiment_name,
-                 checked.config_hash[:12])
-        self._replenish_standby()  # a start is likely to follow
+        log.info("config %s: experiment %s, hash %s", "checked" if check_only else "accepted",
+                 checked.experiment_name, checked.config_hash[:12])
+        if not check_only:
+            self._replenish_standby()  # a start is likely to follow
         return ConfigAccepted(config_hash=checked.config_hash,
                               experiment_name=checked.experiment_name, config=checked.config,
                               notes=checked.notes, memory=checked.memory)

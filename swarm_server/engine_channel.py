@@ -1,7 +1,7 @@
 """`EngineChannel`: the server's lean HTTP/1.1 client for the engine's private Unix socket.
 
 The episode gateway (`swarm_server.episodes`) forwards every begin, chat and end over
-this channel. It was an `httpx.AsyncClient`; the profile of issue 23 put httpx, httpcore,
+this channel. It was an `httpx.AsyncClient`; a profile of the server put httpx, httpcore,
 h11 and anyio at a third of the server's CPU per proxied call (URL merging, cookies, auth
 and redirect hooks, a pure-Python parser, a task group per read). The socket has one
 peer, the engine's own uvicorn, so the channel needs a small part of HTTP:

@@ -2,7 +2,7 @@
 dependency solving.
 
 Every rollout worker calls begin, chat and end once per episode, and many laptops send
-rollouts to one server, so the server's CPU per call bounds the cluster (issue 23). The
+rollouts to one server, so the server's CPU per call bounds the cluster. The
 profile put FastAPI's share of one such call at about 0.6 ms on the shared 2-core
 machine: the router matched the path against every route of the app in turn (some 90),
 then FastAPI solved the route's dependencies, parsed and validated the body, and

@@ -15,7 +15,7 @@ Two parsers, one behaviour (`with_header_timeout` picks):
 
 - `HttpToolsHeaderTimeoutProtocol` over uvicorn's httptools protocol (llhttp, C), the
   default: parsing a request costs a few microseconds instead of h11's hundred-odd, a
-  large share of the episode plane's CPU per call (issue 23). llhttp has no bound of its
+  large share of the episode plane's CPU per call. llhttp has no bound of its
   own on the request line and headers (httptools buffers a header it has not seen the
   end of), so this class counts the bytes of an unfinished head and answers 431 and
   closes once they pass `max_header_bytes`;

@@ -48,7 +48,12 @@ def prepare_workdir(workdir: Path) -> None:
         log.warning("made %d file(s) and folder(s) under %s private to their owner "
                     "(they were readable by other users)", tightened, workdir)
     mode = stat.S_IMODE(workdir.stat().st_mode)
-    if mode & 0o077:
+    if (workdir / ".git").exists():
+        # a checkout is meant to be readable; advising chmod 700 on it would be wrong
+        log.warning("the work directory %s is a git checkout: the server's ledger, "
+                    "snapshots and runs go into it (git-ignored, mode 0700/0600); start with "
+                    "--workdir DIR to keep them elsewhere", workdir)
+    elif mode & 0o077:
         log.warning("the work directory %s has mode %04o: other users can list it; its "
                     "contents are private (mode 0700/0600), but consider "
                     "'chmod 700 %s'", workdir, mode, workdir)

@@ -174,14 +174,14 @@ class AgentJetJob(BaseModel):
     episode_timeout_s: float = Field(default_factory=_d("episode_timeout_s"),
                                      gt=0, le=86_400,
                                      description="A claimed episode idle this long is re-queued")
-    # --- generation (issue 17): KV cache sizing
+    # --- generation: KV cache sizing
     gpu_memory_utilization: float = Field(
         default_factory=_d("gpu_memory_utilization"), gt=0, le=1,
         description="GPU only: fraction of each GPU's memory the engine may hold while it "
                     "generates (weights, optimizer state, KV cache); the KV cache gets what is "
                     "left. As in the original AgentJet (vLLM's knob). Ignored on CPU")
 
-    # --- training at scale (issue 16: LoRA, activation checkpointing, micro-batches);
+    # --- training at scale (LoRA, activation checkpointing, micro-batches);
     # --- the engine side is ajet/engine/config.py, docs/distributed.md
     lora_rank: int = Field(
         default_factory=_d("lora_rank"), ge=0, le=4096,
@@ -213,7 +213,7 @@ class AgentJetJob(BaseModel):
         description="Optimizer steps per batch and epoch: the batch's task groups are "
                     "split into this many mini-batches, each one optimizer step")
 
-    # --- the memory planner (issue 21: ajet/engine/planning/memory_plan.py, docs/distributed.md)
+    # --- the memory planner (ajet/engine/planning/memory_plan.py, docs/distributed.md)
     gpu_memory_gb: float = Field(
         default_factory=_d("gpu_memory_gb"), gt=0, le=100_000,
         description="Memory of one GPU in GiB, used by the memory planner where no GPU is "

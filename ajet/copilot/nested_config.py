@@ -12,7 +12,7 @@ conversions:
   `ajet.swarm_remote`.
 
 It runs wherever the job model runs, so on the server inside the active snapshot's own
-validator (`python -m ajet.copilot.validate`), as DESIGN.md requires for conversions.
+validator (`python -m ajet.copilot.validate`), as docs/design.md requires for conversions.
 No pydantic here: plain dicts in, plain dicts out.
 """
 

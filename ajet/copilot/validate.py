@@ -10,7 +10,7 @@ is refused here, before anything starts, with the estimate by term, the memory a
 and the smallest changes that fit (`memory_check: warn` accepts it with the estimate).
 
 The swarm server runs this from the active snapshot in a short subprocess, so a synced
-change to the job schema, the conversion or the planner takes effect (DESIGN.md). Prints
+change to the job schema, the conversion or the planner takes effect (docs/design.md). Prints
 one JSON object to stdout: `{"ok": true, "config": {...}, "notes": [...], "memory": {...}
 | null}` or `{"ok": false, "message": ..., "errors": [...], "hint"?: ...}`.
 """

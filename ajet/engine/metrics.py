@@ -6,8 +6,9 @@ tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key aver
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
 grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors).
 
-`success_rate` is the share of episodes whose `is_success` is true; an episode that did
-not say counts as a success when its reward is > 0.
+`success_rate` is the share of true `is_success` among the episodes whose workflow sent
+one, and null when none did (a success rate made up from rewards would read 1.0 for any
+run whose rewards are positive).
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
     """The metrics line of one step (rewards after reward processing)."""
     n = len(episodes)
     mean, std = mean_std(rewards)  # overflow-safe for any finite reward
-    successes = sum(1 for e, r in zip(episodes, rewards, strict=True)
-                    if (e.is_success if e.is_success is not None else r > 0))
+    reported = [e.is_success for e in episodes if e.is_success is not None]
     response_tokens = sum(e.trajectory.response_tokens for e in episodes)
     # updates between sampling and this one (0 = on-policy: sampled after step - 1 updates)
     lag = [(step - 1) - c.policy_step for e in episodes for c in e.trajectory.completions]
@@ -49,7 +49,7 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
         "reward_std": std,
         "reward_min": min(rewards) if n else 0.0,
         "reward_max": max(rewards) if n else 0.0,
-        "success_rate": successes / n if n else 0.0,
+        "success_rate": sum(reported) / len(reported) if reported else None,
         "loss": update.loss,
         "kl": update.kl,
         "entropy": update.entropy,

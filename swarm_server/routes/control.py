@@ -66,8 +66,10 @@ _INVALID_JOB: dict[int | str, dict[str, object]] = {
 
 @router.post("/sync_train_config", responses={**_AUTH_ERRORS, **_STATE_ERROR, **_INVALID_JOB})
 def sync_train_config(body: SyncConfigRequest, ctx: Ctx, role: ControlAuth) -> ConfigAccepted:
-    """Store an `AgentJetJob` YAML, validated by the active code. Only while OFFLINE."""
-    return ctx.engine.set_config(body.yaml, role=role)
+    """Store an `AgentJetJob` YAML, validated by the active code. Only while OFFLINE.
+
+    With `check_only`, validate and store nothing, in any state."""
+    return ctx.engine.set_config(body.yaml, role=role, check_only=body.check_only)
 
 
 @router.get("/sync_train_config", responses={**_READER_ERRORS, 404: {"model": ErrorBody}})

@@ -247,8 +247,8 @@ def _forwarded(path: str) -> Any:
     return handler
 
 
-#: The hot routes `EpisodeLane` serves without FastAPI's routing and dependency solving
-#: (issue 23); the declarations above stay the source of their auth and body bounds.
+#: The hot routes `EpisodeLane` serves without FastAPI's routing and dependency solving,
+#: for the server's CPU per call; the declarations above stay the source of their auth and body bounds.
 LANE_ROUTES = (
     LaneRoute("POST", "/begin_episode", begin_episode, _begin,
               body=TypeAdapter(BeginEpisodeRequest | None), required=False),

@@ -51,3 +51,47 @@ def test_workers_waiting_for_rolling_stop_once_the_quota_is_full() -> None:
     runner.start()
     assert runner.join(timeout=10), "a worker kept retrying begin_episode past its quota"
     assert len(client.ended) == 3 and runner.stats().episodes_ended == 3
+
+
+class Endless(EndsAfter):
+    """Serves claims forever."""
+
+    def __init__(self) -> None:
+        super().__init__(episodes=10**9)
+
+
+def test_a_workflow_failing_the_same_way_stops_the_runner_with_the_cause() -> None:
+    calls = 0
+
+    def needs_openai(task: dict[str, Any], episode: BeginEpisodeResponse) -> float:
+        nonlocal calls
+        calls += 1
+        import openai_not_installed_here  # type: ignore[import-not-found]  # noqa: F401
+        return 1.0
+
+    runner = RolloutRunner(Endless(), needs_openai, [{"task_id": "t"}],  # type: ignore[arg-type]
+                           n_workers=2, max_identical_errors=5)
+    runner.start()
+    assert runner.join(timeout=10), "the runner kept retrying a workflow that always fails"
+    stats = runner.stats()
+    assert stats.stopped_reason and "identical workflow errors" in stats.stopped_reason, stats
+    assert "pip install openai_not_installed_here" in stats.stopped_reason
+    assert calls < 20
+
+
+def test_a_success_between_errors_resets_the_count() -> None:
+    calls = 0
+
+    def flaky(task: dict[str, Any], episode: BeginEpisodeResponse) -> float:
+        nonlocal calls
+        calls += 1
+        if calls % 3:
+            raise RuntimeError("transient")
+        return 1.0
+
+    client = Endless()
+    runner = RolloutRunner(client, flaky, [{"task_id": "t"}],  # type: ignore[arg-type]
+                           n_workers=1, max_identical_errors=3, max_episodes=4)
+    runner.start()
+    assert runner.join(timeout=10)
+    assert runner.stats().stopped_reason is None and runner.stats().episodes_ended == 4

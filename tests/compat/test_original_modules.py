@@ -35,7 +35,7 @@ ORIGINAL_JOB_ARGUMENTS = (
     "use_kl_loss use_kl_in_reward kl_penalty_type compute_madness_checklist "
     "val_print_to_markdown_file_path train_print_to_markdown_file_path total_training_steps "
     "timeline_compare_level").split()
-#: The ones other engine work adds (docs/compat.md: "given effect by issue 16/17").
+#: The ones other engine work adds (docs/compat.md: training at scale and generation give them effect).
 FROM_ENGINE_ISSUES = {"mini_batch_num", "lora_rank", "lora_alpha", "lora_target_modules",
                       "gpu_memory_utilization"}
 #: Every public method of the original SwarmClient.

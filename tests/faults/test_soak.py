@@ -1,4 +1,4 @@
-"""The soak (issue 20): mixed traffic on loopback against a real server and engine
+"""The soak: mixed traffic on loopback against a real server and engine
 (ajet-tiny on CPU), and proof that nothing is lost.
 
 16 workers with random aborts and hangs past the episode timeout, status/metrics/log

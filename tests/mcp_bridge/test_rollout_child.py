@@ -43,6 +43,8 @@ def workflow(task, episode):
         os._exit(7)
     if mode == "hang":
         time.sleep(1000)
+    if mode == "noimport":
+        import a_package_the_laptop_lacks  # noqa: F401
     print("a workflow print must not break the protocol")
     return 0.5
 '''
@@ -158,3 +160,25 @@ def test_a_workflow_that_cannot_load_is_an_error(repo: Path) -> None:
     with pytest.raises(ValueError, match="boom at import"):
         manager.start("flows/broken.py:workflow", n_workers=1, num_repeat=1)
     assert manager.all() == []
+
+
+def test_a_workflow_missing_a_package_stops_and_rollout_status_names_the_fix(
+        episodes: _Episodes, repo: Path) -> None:
+    from types import SimpleNamespace
+
+    from mcp_bridge import tools
+
+    (repo / "flows" / "mode.txt").write_text("noimport")
+    url = f"http://127.0.0.1:{episodes.server_address[1]}"
+    manager = RolloutManager(url, token=CONTROL, worker_token=WORKER, repo=repo)
+    job = manager.start("flows/wf.py:workflow", n_workers=2, num_repeat=1)
+    try:
+        _wait(lambda: not job.running(), timeout=60)
+        status = tools.rollout_status(SimpleNamespace(rollouts=manager))  # type: ignore[arg-type]
+    finally:
+        manager.stop_all(timeout=10)
+    assert "a_package_the_laptop_lacks" in status.message
+    assert "pip install a_package_the_laptop_lacks" in status.message
+    assert "Next: read_metrics" not in status.message
+    begun = sum(1 for path, _ in episodes.calls if path == "/begin_episode")
+    assert begun < 40, f"{begun} episodes begun for a workflow that can never run"

@@ -1,4 +1,4 @@
-"""No process of the engine tree holds a token in its environment (issue 20).
+"""No process of the engine tree holds a token in its environment.
 
 A token-protected server starts a two-process job under torchrun with the warm standby
 on; then `/proc/<pid>/environ` of every process the server started (the torchrun agent,

@@ -1,5 +1,5 @@
 """What a worker-token holder can do to a real server: the second adversarial review's
-reproductions (issue 20), each refused quickly with a clear error while `/health`
+reproductions, each refused quickly with a clear error while `/health`
 keeps answering.
 
 One server for the module (fake engine, control and worker tokens). A snapshot with a
@@ -35,7 +35,7 @@ WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 MARKER = f"secret_code_{uuid.uuid4().hex[:12]}"
 REGEX_BUDGET_S = 0.5
 BODY_TIMEOUT_S = 20.0
-#: The web console's pages (issue 19): a worker cannot sign in, so each one is a redirect
+#: The web console's pages: a worker cannot sign in, so each one is a redirect
 #: to the sign-in page, which shows no code either.
 UI_PAGES = ["/ui", "/ui/login", "/ui/approvals", "/ui/snapshots", "/ui/snapshots/{snapshot_ref}",
             "/ui/runs", "/ui/static/console.css"]

@@ -17,7 +17,7 @@ from mcp_bridge.models import ApprovalMode
 from tests.support.servers import PROJECT_ROOT, ServerHandle
 
 AJET_MCP = Path(sys.executable).with_name("ajet-mcp")
-#: Every tool's default output must stay under this much text (about 2,000 tokens).
+#: Every tool's default output must stay under this much text (docs/design.md: ~2,000 tokens).
 MAX_TOOL_TEXT = 8 * 1024
 
 

@@ -1,4 +1,4 @@
-"""`EngineChannel` (issue 23) against a real uvicorn on a real Unix socket: connections
+"""`EngineChannel` against a real uvicorn on a real Unix socket: connections
 kept alive and reused, bounded in number; a streamed reply arrives chunk by chunk; an
 answer the engine gives before it read the body (413) arrives instead of a broken pipe;
 no socket, a stalled engine and a reply cut short are `ChannelError`s.

@@ -71,6 +71,9 @@ def test_openai_client_chats_plain_and_streaming_through_an_episode_key(
     assert usage and 1 <= usage[0].completion_tokens <= 8
     assert len(text) <= usage[0].completion_tokens  # one character per token at most
     assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    # the `ajet` field rides on the last chunk, the usage chunk here, and only there
+    with_ajet = [i for i, c in enumerate(chunks) if (c.model_extra or {}).get("ajet")]
+    assert with_ajet == [len(chunks) - 1] and chunks[-1].usage is not None
     done = worker.report_episode(episode.episode_uuid, "plain-and-stream", 0.25)
     assert done.accepted
 

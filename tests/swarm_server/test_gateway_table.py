@@ -1,4 +1,4 @@
-"""The episode gateway's table stays bounded under begin/abort churn (issue 20).
+"""The episode gateway's table stays bounded under begin/abort churn.
 
 `EpisodeGateway` against a small stand-in engine served by uvicorn on a real Unix socket
 (the gateway's own transport), with the engine's step under the test's control: closed

@@ -16,7 +16,7 @@ from ajet.client import SwarmClient
 from tests.support import ServerHandle, make_ajet_repo, start_server
 
 QWEN_7B = Path(__file__).parents[1] / "ajet" / "engine" / "models" / "Qwen2.5-7B-Instruct"
-#: the headline job (DESIGN.md): Qwen2.5-7B-Instruct full fine-tuning, 32 x 4, 2k + 2k
+#: the headline job (docs/design.md): Qwen2.5-7B-Instruct full fine-tuning, 32 x 4, 2k + 2k
 HEADLINE = (f"experiment_name: headline\nmodel: {QWEN_7B}\nbatch_size: 32\nnum_repeat: 4\n"
             "max_prompt_length: 2048\nmax_response_length: 2048\n")
 

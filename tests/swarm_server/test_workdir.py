@@ -1,4 +1,4 @@
-"""Everything the server creates under its work directory is private to its user (issue 20).
+"""Everything the server creates under its work directory is private to its user.
 
 A real server started under the default umask (022), over a work directory an earlier
 server left world-readable: after a code sync, a run and a stop, no database, snapshot,

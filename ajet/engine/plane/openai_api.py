@@ -443,12 +443,13 @@ async def _chat_stream(plane: EpisodePlane, fmt: ChatFormat, generation: Generat
                     yield chunk({"tool_calls": [{"index": index,
                                                  "function": {"arguments": call.arguments}}]})
                 lp = {"content": token_logprobs(fmt, result)} if logprobs else None
-                yield chunk({}, finish_reason(result, reply), logprobs=lp,
-                            ajet=ajet_field(turn))
+                # `ajet` rides on the last chunk: the usage chunk when one follows
+                last = {} if include_usage else {"ajet": ajet_field(turn)}
+                yield chunk({}, finish_reason(result, reply), logprobs=lp, **last)
                 if include_usage:
                     yield _event({"id": chunk_id, "object": "chat.completion.chunk",
                                   "created": created, "model": turn.model_name, "choices": [],
-                                  "usage": usage(result)})
+                                  "usage": usage(result), "ajet": ajet_field(turn)})
         yield b"data: [DONE]\n\n"
     finally:
         generation.release()  # a no-op once recorded; the client may have gone away
@@ -499,11 +500,12 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
                 yield stream_error(exc)
                 break
             lp = _completion_logprobs(fmt, result) if logprobs else None
-            yield chunk("", result.finish_reason, logprobs=lp, ajet=ajet_field(turn))
+            last = {} if include_usage else {"ajet": ajet_field(turn)}
+            yield chunk("", result.finish_reason, logprobs=lp, **last)
             if include_usage:
                 yield _event({"id": chunk_id, "object": "text_completion", "created": created,
                               "model": turn.model_name, "choices": [],
-                              "usage": usage(result)})
+                              "usage": usage(result), "ajet": ajet_field(turn)})
             break
         yield b"data: [DONE]\n\n"
     finally:

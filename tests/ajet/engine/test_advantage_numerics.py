@@ -1,5 +1,5 @@
 """GRPO advantages and the reward statistics are numerically safe for every value the
-server accepts (issue 20: one reward of 1e308 raised OverflowError in the update and
+server accepts (one reward of 1e308 raised OverflowError in the update and
 killed the run), and agree with the textbook formula where it does not overflow.
 """
 

@@ -138,7 +138,7 @@ def test_eval_episodes_sample_as_asked_and_training_ones_with_the_run() -> None:
     registry.set_state(EngineState.ROLLING)
     episode = registry.begin()
     assert registry.episode_type(episode.uuid) == TRAIN_EPISODE
-    episode.episode_type = EVAL_EPISODE  # type: ignore[attr-defined]  # set by begin (issue 14)
+    episode.episode_type = EVAL_EPISODE  # type: ignore[attr-defined]  # set by begin
     assert registry.episode_type(episode.uuid) == EVAL_EPISODE
 
 

@@ -31,7 +31,7 @@ from ajet.engine.scoring import ResponseScorer, pack_responses
 from ajet.engine.tiny import ensure_tiny_model
 
 QWEN_7B = Path(__file__).parent / "models" / "Qwen2.5-7B-Instruct"
-#: the headline job (DESIGN.md): Qwen2.5-7B-Instruct, 32 task groups x 4, 2k + 2k tokens
+#: the headline job (docs/design.md): Qwen2.5-7B-Instruct, 32 task groups x 4, 2k + 2k tokens
 HEADLINE = dict(model=str(QWEN_7B), batch_size=32, num_repeat=4, max_prompt_length=2048,
                 max_response_length=2048)
 H100 = Available(81559 * MiB, "test: nvidia-smi of an H100 80GB")
