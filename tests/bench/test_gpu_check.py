@@ -52,6 +52,7 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
     assert "nothing was run" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
     result = _run("--device", "cpu", "--dtype", "float32", "--shape", "small", "--steps", "2",
                   "--groups", "2", "--group-size", "2", "--prompt-tokens", "32",
