@@ -68,8 +68,9 @@ class AppServer:
                             headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
-        """A `SwarmClient` on this app (no token: an open server's anonymous caller)."""
-        return SwarmClient(self.url, token=token or "", transport=self.transport, **kwargs)
+        """A `SwarmClient` on this app; `token` as SwarmClient takes it (None: from the
+        environment, as `SwarmClient(url)` would)."""
+        return SwarmClient(self.url, token=token, transport=self.transport, **kwargs)
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")

@@ -70,8 +70,9 @@ class ServerHandle:
                             headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
-        """A `SwarmClient` on this server (no token: an anonymous caller)."""
-        return SwarmClient(self.url, token=token or "", **kwargs)
+        """A `SwarmClient` on this server; `token` as SwarmClient takes it (None: from the
+        environment, as `SwarmClient(url)` would)."""
+        return SwarmClient(self.url, token=token, **kwargs)
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
