@@ -1,15 +1,13 @@
 """`SwarmClient`: the synchronous Python client of the swarm server's HTTP API.
 
-Small typed surface, private helpers behind it (httpx's model). Every request has a
-timeout, every wait a deadline; server errors become `ajet.errors.SwarmHTTPError`
-subclasses carrying the server's `detail` and `hint`.
+Small typed surface, one name per action, private helpers behind it (httpx's model).
+Every request has a timeout, every wait a deadline; server errors become
+`ajet.errors.SwarmHTTPError` subclasses carrying the server's `detail` and `hint`.
 
-The same class carries the original AgentJet client's methods (`get_engine_status`,
-`begin_episode`, `end_episode`, ...) with their original meaning, from
-`ajet.original_client.OriginalClientMixin`, which builds them on the typed calls here
-(docs/compat.md lists both sets of names).
-
-Compatibility path: `from ajet.tuner_lib.experimental.swarm_client import SwarmClient`.
+The original AgentJet client's methods (`get_engine_status`, `begin_episode`, ...) are
+not here: `ajet.tuner_lib.experimental.swarm_client.SwarmClient` (ajet/compat/client.py)
+is this class plus those methods, for scripts written for the original (docs/compat.md
+says which to use when).
 """
 
 from __future__ import annotations
@@ -20,7 +18,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -29,7 +28,6 @@ import httpx
 from pydantic import BaseModel
 
 from ajet.copilot.job import AgentJetJob
-from ajet.original_client import OriginalClientMixin, RetryPolicy
 from ajet.errors import (
     EngineStateConflict,
     SwarmConnectionError,
@@ -43,7 +41,11 @@ from ajet.protocol import (
     ApprovalsPage,
     AuditPage,
     BeginEpisodeResponse,
+    BlobsUploaded,
+    CheckpointManifest,
+    CheckpointsPage,
     CodeSyncResult,
+    CommitRequest,
     ConfigAccepted,
     EndEpisodeResponse,
     EngineState,
@@ -57,6 +59,7 @@ from ajet.protocol import (
     ReviewPage,
     RunPublic,
     RunsPage,
+    SamplesPage,
     ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
@@ -73,15 +76,16 @@ _M = TypeVar("_M", bound=BaseModel)
 #: States in which the engine serves episodes.
 SERVING_STATES = (EngineState.ROLLING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING)
 _LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
+#: Longest wait for one blob batch or commit of a code sync (large trees, slow links).
+_UPLOAD_TIMEOUT_S = 300.0
 
 
-class SwarmClient(OriginalClientMixin):
+class SwarmClient:
     """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
 
     `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
-    `retry` sets the back-offs and deadlines of the original AgentJet methods.
     `transport` replaces httpx's network transport, for example with one that calls an
     ASGI app in the same process (tests: `fastapi.testclient.TestClient`'s transport).
     """
@@ -89,22 +93,16 @@ class SwarmClient(OriginalClientMixin):
     def __init__(
         self,
         server_url: str,
-        verbose: bool = True,
-        agentjet_job: AgentJetJob | None = None,
-        auto_start_swarm_server: bool = False,
         *,
+        auto_start_swarm_server: bool = False,
         token: str | None = None,
         timeout: float = 30.0,
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
-        retry: RetryPolicy | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
-        #: the original client's switches: chatty progress logs, and the last job sent
-        self.verbose = verbose
-        self._agentjet_job = agentjet_job
         if token is None:
             token = os.environ.get("AJET_SWARM_TOKEN") or os.environ.get("AJET_SWARM_WORKER_TOKEN")
         self._token = token or None
@@ -114,7 +112,6 @@ class SwarmClient(OriginalClientMixin):
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout,
                                   transport=transport)
-        self._init_original(retry)
         if auto_start_swarm_server:
             self._ensure_local_server(
                 workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),
@@ -126,7 +123,6 @@ class SwarmClient(OriginalClientMixin):
 
     def close(self) -> None:
         """Close the connection; stop the server if this client started it."""
-        self._close_original()
         self._http.close()
         proc, self._server_process = self._server_process, None
         if proc is not None and proc.poll() is None:
@@ -282,6 +278,18 @@ class SwarmClient(OriginalClientMixin):
                 "provenance": (provenance or Provenance()).model_dump(mode="json")}
         return self._call("POST", "/code/manifest", json=body, model=ManifestResponse)
 
+    def upload_blob_batch(self, records: bytes) -> BlobsUploaded:
+        """Store blobs: `records` is `<sha256> <size>\\n` then `size` bytes, per blob;
+        the server verifies each hash (`ajet.code_sync.upload_blobs` builds the batches)."""
+        return self._call("POST", "/code/blobs", content=records,
+                          headers={"Content-Type": "application/octet-stream"},
+                          model=BlobsUploaded, timeout=max(self._timeout, _UPLOAD_TIMEOUT_S))
+
+    def commit_snapshot(self, request: CommitRequest) -> CodeSyncResult:
+        """Make a snapshot of blobs the server holds and (with `activate`) run on it."""
+        return self._call("POST", "/code/commit", json=request.model_dump(mode="json"),
+                          model=CodeSyncResult, timeout=max(self._timeout, _UPLOAD_TIMEOUT_S))
+
     def list_snapshots(self) -> SnapshotsPage:
         return self._call("GET", "/code/snapshots", model=SnapshotsPage)
 
@@ -322,13 +330,16 @@ class SwarmClient(OriginalClientMixin):
         return self._call("GET", f"/approvals/{snapshot_ref}", params=params, model=ReviewPage,
                           timeout=max(self._timeout, 120.0))
 
-    def decide_approval(self, snapshot_id: str, decision: str, *, note: str = ""
-                        ) -> ApprovalDecisionPublic:
-        """`decision` is approve, deny or revoke; `snapshot_id` is the full id (an approver token)."""
+    def decide_approval(self, snapshot_id: str, decision: str, *, note: str = "",
+                        base_id: str | None = None) -> ApprovalDecisionPublic:
+        """`decision` is approve, deny or revoke; `snapshot_id` is the full id (an approver
+        token); `base_id` the base of the review that was read (`ReviewPage.base_id`)."""
         if decision not in ("approve", "deny", "revoke"):
             raise ValueError(f"decision {decision!r} is not approve, deny or revoke")
-        return self._call("POST", f"/approvals/{snapshot_id}/{decision}",
-                          json={"snapshot_id": snapshot_id, "note": note},
+        body: dict[str, str] = {"snapshot_id": snapshot_id, "note": note}
+        if base_id is not None:
+            body["base_id"] = base_id
+        return self._call("POST", f"/approvals/{snapshot_id}/{decision}", json=body,
                           model=ApprovalDecisionPublic, timeout=max(self._timeout, 120.0))
 
     def gc_snapshots(self, *, keep: int | None = None) -> GCResult:
@@ -362,6 +373,14 @@ class SwarmClient(OriginalClientMixin):
             params["max_points"] = max_points
         return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
 
+    def get_samples(self, step: int, run_id: str = "current", *, offset: int = 0,
+                    limit: int = 20) -> SamplesPage:
+        """One page of a training step's samples (token ids, text, loss mask, log-probs,
+        the completions each merged); `next_offset` names the next page."""
+        return self._call("GET", f"/runs/{run_id}/samples",
+                          params={"step": step, "offset": offset, "limit": limit},
+                          model=SamplesPage)
+
     def get_run_logs(self, run_id: str = "current", *, tail: int = 100,
                      grep: str | None = None, regex: bool = False) -> LogsResponse:
         """The last `tail` lines of a run's engine.log, keeping only lines containing `grep`
@@ -372,6 +391,43 @@ class SwarmClient(OriginalClientMixin):
             if regex:
                 params["regex"] = "true"
         return self._call("GET", f"/runs/{run_id}/logs", params=params, model=LogsResponse)
+
+    def list_checkpoints(self, run_id: str = "current") -> CheckpointsPage:
+        """A run's checkpoints: name, step, kind, size, complete or not."""
+        return self._call("GET", f"/runs/{run_id}/checkpoints", model=CheckpointsPage)
+
+    def checkpoint_manifest(self, run_id: str, name: str) -> CheckpointManifest:
+        """Every file of a checkpoint with its sha256, and the archive's size and ETag."""
+        return self._call("GET", f"/runs/{run_id}/checkpoints/{name}",
+                          model=CheckpointManifest, timeout=max(self._timeout, 600.0))
+
+    @contextmanager
+    def open_checkpoint_archive(self, run_id: str, name: str, *, start: int = 0,
+                                if_range: str | None = None) -> Iterator[httpx.Response]:
+        """The checkpoint's tar as a streamed response; from byte `start` (a 206) when
+        `if_range` (the manifest's ETag) still matches, else the whole archive (a 200)."""
+        path = f"/runs/{run_id}/checkpoints/{name}/archive"
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        if start and if_range:
+            headers["If-Range"] = if_range
+        try:
+            with self._http.stream("GET", path, headers=headers,
+                                   timeout=httpx.Timeout(self._timeout, read=600.0)) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    _raise_for_status(response, "GET", path)
+                yield response
+        except httpx.HTTPError as exc:
+            raise SwarmConnectionError(f"GET {path}: the download broke off ({exc}); run it "
+                                       "again to resume") from exc
+
+    def download_checkpoint(self, run_id: str, dest: str | os.PathLike[str], *,
+                            name: str | None = None) -> Path:
+        """Download a checkpoint into `dest/<name>`, resumable, verified against its
+        manifest of hashes (`ajet.checkpoint_download`). Default: the latest complete."""
+        from ajet.checkpoint_download import download_checkpoint
+
+        return download_checkpoint(self, run_id, Path(dest), name=name)
 
     def get_audit(self, *, offset: int = 0, limit: int = 100) -> AuditPage:
         return self._call("GET", "/audit", params={"offset": offset, "limit": limit},
@@ -388,7 +444,8 @@ class SwarmClient(OriginalClientMixin):
     def open_episode(self, discard_episode_timeout: float | None = None, *,
                      episode_type: str = "train", client_uuid: str | None = None,
                      task_id: str | None = None, **metadata: Any) -> BeginEpisodeResponse:
-        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it.
+        """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it
+        (and `anthropic_base_url`, the server root, for Anthropic clients: same key).
 
         `episode_type="eval"` episodes are served but never trained on; with
         `client_uuid`, only that client may end or abort the episode.
@@ -444,17 +501,7 @@ class SwarmClient(OriginalClientMixin):
                 f"{method} {path}: cannot reach swarm server at {self.server_url} ({exc}); "
                 "is `ajet-swarm start` running there?"
             ) from exc
-        if response.status_code >= 400:
-            detail: Any = response.text
-            hint = ""
-            try:
-                body = response.json()
-                if isinstance(body, dict):
-                    detail = body.get("detail", body)
-                    hint = str(body.get("hint", "") or "")
-            except ValueError:
-                pass
-            raise error_for_status(response.status_code, detail, hint, method=method, path=path)
+        _raise_for_status(response, method, path)
         return response
 
     def _ensure_local_server(self, *, workdir: Path, deadline_s: float,
@@ -517,3 +564,19 @@ def _importable(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # ValueError: blocked in sys.modules
         return False
+
+
+def _raise_for_status(response: httpx.Response, method: str, path: str) -> None:
+    """The server's error as the client's exception, with its detail and hint."""
+    if response.status_code < 400:
+        return
+    detail: Any = response.text
+    hint = ""
+    try:
+        body = response.json()
+        if isinstance(body, dict):
+            detail = body.get("detail", body)
+            hint = str(body.get("hint", "") or "")
+    except ValueError:
+        pass
+    raise error_for_status(response.status_code, detail, hint, method=method, path=path)

@@ -22,8 +22,13 @@ What the review guarantees, whatever the files hold:
 - **Python source is decoded the way the interpreter decodes it** (PEP 263 coding cookie,
   `tokenize.detect_encoding`); a file that is not UTF-8 is shown decoded and flagged with its
   encoding. A file that cannot be shown as text is listed and flagged as binary.
+- **Identifiers as Python runs them.** A non-ASCII identifier is flagged with the NFKC form
+  Python looks up (`𝐨𝐬` runs as `os`), and its line is followed by a note showing the line
+  as it runs; strings holding characters confusable with Latin ones (Unicode TR39) are
+  flagged (`ajet.review_unicode`).
 
-Pure functions: no I/O but the two readers, no third-party imports (the laptop side uses it).
+Pure functions: no I/O but the two readers; one small third-party import (the Unicode
+confusables data, `confusable_homoglyphs`), a core dependency, as the laptop side uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ajet.protocol import FileEntry
+from ajet.review_unicode import python_unicode
 
 __all__ = [
     "ChangeKind",
@@ -304,6 +310,13 @@ def _file_review(index: int, change: FileChange, first_line: int, *, read_new: R
     else:
         old_lines = _lines(old_text) if old_text is not None else []
         new_lines = _lines(new_text) if new_text is not None else []
+        as_run: dict[int, str] = {}
+        if new_text is not None and change.new is not None and change.new.path.endswith(".py"):
+            # Python runs identifiers in NFKC form: flag them, and show each such line
+            # as it runs, next to the text (so a search of the diff finds `os.system`)
+            findings = python_unicode(new_text)
+            flags += findings.flags()
+            as_run = findings.as_run
         a_name = f"a/{escape_text((change.old_path or change.path))}" if change.old else "/dev/null"
         b_name = f"b/{escape_text(change.path)}" if change.new else "/dev/null"
         body += [DiffLine("meta", f"--- {a_name}", index), DiffLine("meta", f"+++ {b_name}", index)]
@@ -313,22 +326,29 @@ def _file_review(index: int, change: FileChange, first_line: int, *, read_new: R
                          "not aligned line by line")
             body.append(DiffLine("hunk", f"@@ -1,{len(old_lines)} +1,{len(new_lines)} @@", index))
             body += _split("del", old_lines, index)
-            body += _split("add", new_lines, index)
+            for n, line in enumerate(new_lines, start=1):
+                body += _split("add", [line], index) + _as_run(as_run, n, index)
             added, removed = len(new_lines), len(old_lines)
         else:
+            new_no = 0  # the new side's line number, for what Python reads there
             for raw in difflib.unified_diff(old_lines, new_lines, n=context_lines, lineterm=""):
                 if raw.startswith(("---", "+++")):
                     continue
                 if raw.startswith("@@"):
                     body.append(DiffLine("hunk", raw, index))
+                    new_no = int(raw.split("+", 1)[1].split(",")[0].split(" ")[0]) - 1
                 elif raw.startswith("+"):
                     body += _split("add", [raw[1:]], index)
                     added += 1
+                    new_no += 1
+                    body += _as_run(as_run, new_no, index)
                 elif raw.startswith("-"):
                     body += _split("del", [raw[1:]], index)
                     removed += 1
                 else:
                     body += _split("ctx", [raw[1:]], index)
+                    new_no += 1
+                    body += _as_run(as_run, new_no, index)
             if change.new is not None and new_text and not new_text.endswith("\n"):
                 body.append(DiffLine("note", "\\ No newline at end of file", index))
         if new_text is not None and any(has_control(ln) for ln in new_lines):
@@ -374,6 +394,13 @@ def decode_for_review(path: str, data: bytes) -> tuple[str | None, list[str]]:
     if "\r\n" in text:
         notes.append("CRLF line endings")
     return text, notes
+
+
+def _as_run(as_run: dict[int, str], line_no: int, index: int) -> list[DiffLine]:
+    """The note under a line whose identifiers Python reads in another (NFKC) form."""
+    if line_no not in as_run:
+        return []
+    return [DiffLine("note", f"Python runs line {line_no} as: {as_run[line_no]}", index)]
 
 
 def _lines(text: str) -> list[str]:

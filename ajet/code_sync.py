@@ -13,6 +13,10 @@ by exactly `size` bytes, batched up to `batch_bytes` per request. Each file is r
 and re-hashed just before it is sent; a file edited since packaging raises
 `PackagingError` rather than shipping content the manifest does not describe.
 
+The calls go through the client's public typed methods (`check_manifest`,
+`upload_blob_batch`, `commit_snapshot`), named by the `CodeSyncClient` protocol, so this
+module does not import the client (which calls `push_tree` from `push_code`).
+
 Laptop side: macOS and Linux, no torch.
 """
 
@@ -22,25 +26,39 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Protocol
 
 from ajet.errors import SwarmValidationError
 from ajet.packaging import Package, package_tree
-from ajet.protocol import BlobsUploaded, CodeSyncResult, ManifestResponse
+from ajet.protocol import (
+    BlobsUploaded,
+    CodeSyncResult,
+    CommitRequest,
+    FileEntry,
+    ManifestResponse,
+    Provenance,
+)
 
-if TYPE_CHECKING:
-    from ajet.client import SwarmClient
-
-__all__ = ["DEFAULT_BATCH_BYTES", "push_package", "push_tree", "upload_blobs"]
+__all__ = ["DEFAULT_BATCH_BYTES", "CodeSyncClient", "push_package", "push_tree", "upload_blobs"]
 
 log = logging.getLogger(__name__)
 
 #: Bytes of blob data per `POST /code/blobs` request (well under the server's body cap).
 DEFAULT_BATCH_BYTES = 16 * 1024 * 1024
-_UPLOAD_TIMEOUT_S = 300.0
 
 
-def push_tree(client: SwarmClient, path: str | Path, force_restart: bool = False, *,
+class CodeSyncClient(Protocol):
+    """The calls a sync needs; `ajet.client.SwarmClient` has them."""
+
+    def check_manifest(self, files: list[FileEntry],
+                       provenance: Provenance | None = None) -> ManifestResponse: ...
+
+    def upload_blob_batch(self, records: bytes) -> BlobsUploaded: ...
+
+    def commit_snapshot(self, request: CommitRequest) -> CodeSyncResult: ...
+
+
+def push_tree(client: CodeSyncClient, path: str | Path, force_restart: bool = False, *,
               approved_by: str | None = None) -> CodeSyncResult:
     """Package `<path>/ajet` (git-tracked files) and sync it; see `push_package`."""
     t0 = time.perf_counter()
@@ -52,7 +70,7 @@ def push_tree(client: SwarmClient, path: str | Path, force_restart: bool = False
     return result
 
 
-def push_package(client: SwarmClient, package: Package, *, force_restart: bool = False,
+def push_package(client: CodeSyncClient, package: Package, *, force_restart: bool = False,
                  approved_by: str | None = None, activate: bool = True,
                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> CodeSyncResult:
     """Sync an already packaged tree (the MCP bridge packages first to show and approve it).
@@ -63,12 +81,12 @@ def push_package(client: SwarmClient, package: Package, *, force_restart: bool =
     On a server that enforces approvals, unapproved content is stored and then refused
     activation (`ApprovalPending`, a 409); `activate=False` only stores it (for review).
     """
-    entries = [e.model_dump() for e in package.entries()]
-    provenance = package.provenance.model_dump(mode="json")
+    entries = package.entries()
+    provenance = package.provenance
     timings: dict[str, float] = {}
 
     t = time.perf_counter()
-    plan = _manifest(client, entries, provenance)
+    plan = client.check_manifest(entries, provenance)
     timings["manifest_s"] = round(time.perf_counter() - t, 4)
     if plan.snapshot_id != package.snapshot_id:
         log.warning("server computed snapshot id %s, the client %s; the server's wins",
@@ -90,22 +108,23 @@ def push_package(client: SwarmClient, package: Package, *, force_restart: bool =
     timings["upload_s"] = round(time.perf_counter() - t, 4)
 
     t = time.perf_counter()
-    commit = {"snapshot_id": plan.snapshot_id, "files": entries, "provenance": provenance,
-              "force_restart": force_restart, "approved_by": approved_by, "activate": activate}
+    commit = CommitRequest(snapshot_id=plan.snapshot_id, files=entries, provenance=provenance,
+                           force_restart=force_restart, approved_by=approved_by,
+                           activate=activate)
     try:
-        result = _commit(client, commit)
+        result = client.commit_snapshot(commit)
     except SwarmValidationError as exc:
         # Blobs can vanish between manifest and commit (GC on a busy server): ask again
         # which are missing, upload those, and commit once more.
         if not (isinstance(exc.detail, dict) and exc.detail.get("missing")):
             raise
-        again = _manifest(client, entries, provenance)
+        again = client.check_manifest(entries, provenance)
         log.info("the server lost %d blob(s) before the commit; uploading them again",
                  len(again.missing))
         more_files, more_bytes = upload_blobs(client, package, again.missing,
                                               batch_bytes=batch_bytes)
         files_up, bytes_up = files_up + more_files, bytes_up + more_bytes
-        result = _commit(client, commit)
+        result = client.commit_snapshot(commit)
     timings["commit_s"] = round(time.perf_counter() - t, 4)
     timings["client_total_s"] = round(sum(timings.values()), 4)
     result.files = files_up
@@ -118,36 +137,18 @@ def push_package(client: SwarmClient, package: Package, *, force_restart: bool =
     return result
 
 
-def upload_blobs(client: SwarmClient, package: Package, missing: Sequence[str], *,
+def upload_blobs(client: CodeSyncClient, package: Package, missing: Sequence[str], *,
                  batch_bytes: int = DEFAULT_BATCH_BYTES) -> tuple[int, int]:
     """Upload the blobs `missing` from `package`; returns (blobs sent, blob bytes sent)."""
     files = bytes_sent = 0
     for batch in _batches(package, missing, batch_bytes):
         body = b"".join(part for sha, data in batch
                         for part in (f"{sha} {len(data)}\n".encode("ascii"), data))
-        answer: BlobsUploaded = client._call(
-            "POST", "/code/blobs", content=body,
-            headers={"Content-Type": "application/octet-stream"},
-            model=BlobsUploaded, timeout=max(client._timeout, _UPLOAD_TIMEOUT_S))
+        answer = client.upload_blob_batch(body)
         files += len(batch)
         bytes_sent += sum(len(data) for _, data in batch)
         log.debug("uploaded %d blob(s), %d new on the server", len(batch), len(answer.stored))
     return files, bytes_sent
-
-
-def _manifest(client: SwarmClient, entries: list[dict[str, Any]], provenance: dict[str, Any]
-              ) -> ManifestResponse:
-    plan: ManifestResponse = client._call(
-        "POST", "/code/manifest", json={"files": entries, "provenance": provenance},
-        model=ManifestResponse)
-    return plan
-
-
-def _commit(client: SwarmClient, body: dict[str, Any]) -> CodeSyncResult:
-    result: CodeSyncResult = client._call(
-        "POST", "/code/commit", json=body, model=CodeSyncResult,
-        timeout=max(client._timeout, _UPLOAD_TIMEOUT_S))
-    return result
 
 
 def _batches(package: Package, missing: Sequence[str], batch_bytes: int

@@ -55,6 +55,7 @@ __all__ = [
     "build_zip",
     "canonical_manifest",
     "file_kind_problem",
+    "folder_snapshot_id",
     "is_extension_module",
     "member_path_problem",
     "package_tree",
@@ -209,6 +210,27 @@ def canonical_manifest(entries: Iterable[FileEntry]) -> bytes:
 def snapshot_id_of(entries: Iterable[FileEntry]) -> str:
     """`sha256(canonical_manifest(entries))`, lowercase hex."""
     return hashlib.sha256(canonical_manifest(entries)).hexdigest()
+
+
+def folder_snapshot_id(package_dir: Path) -> str:
+    """The snapshot id of the `ajet/` folder `package_dir` as it lies on disk.
+
+    The manifest of every file under it except bytecode caches (`__pycache__/`, `*.pyc`),
+    mode 755 where the owner may execute it, else 644 (the server keeps a snapshot's
+    files owner-only): for a synced snapshot's folder this is its snapshot id, whatever
+    the folder is called and wherever it lies. The engine reports it for the code it
+    imported; an installed copy gives some other id.
+    """
+    entries = []
+    for path in sorted(package_dir.rglob("*")):
+        rel = path.relative_to(package_dir)
+        if "__pycache__" in rel.parts or path.suffix == ".pyc" or not path.is_file():
+            continue
+        sha256, size = _hash_file(path, cap=DEFAULT_MAX_TOTAL_BYTES)
+        mode = 0o755 if path.stat().st_mode & stat.S_IXUSR else 0o644
+        entries.append(FileEntry(path=f"ajet/{rel.as_posix()}", sha256=sha256, size=size,
+                                 mode=mode))
+    return snapshot_id_of(entries)
 
 
 # ---------------------------------------------------------------------------- packaging

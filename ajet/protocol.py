@@ -15,6 +15,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
 __all__ = [
     "AbortEpisodeRequest",
     "ActivateRequest",
+    "AgreeSyncWeightRequest",
     "ApprovalDecisionPublic",
     "ApprovalDecisionRequest",
     "ApprovalState",
@@ -29,12 +30,15 @@ __all__ = [
     "BeginEpisodeRequest",
     "BeginEpisodeResponse",
     "BlobsUploaded",
+    "CanContinueEpisodeRequest",
     "CodeSyncResult",
     "CommitRequest",
     "ConfigAccepted",
     "ConfigNote",
     "EndEpisodeRequest",
     "EndEpisodeResponse",
+    "ENGINE_FAILURE_FILE",
+    "EngineFailure",
     "EngineReport",
     "EngineState",
     "EngineStatus",
@@ -51,6 +55,8 @@ __all__ = [
     "RunPublic",
     "RunsPage",
     "SERVER_CODE",
+    "SamplePublic",
+    "SamplesPage",
     "SnapshotPublic",
     "SnapshotsPage",
     "StartEngineRequest",
@@ -153,6 +159,8 @@ class EngineStatus(BaseModel):
     snapshot_approval: ApprovalState = Field(
         default=ApprovalState.NOT_ENFORCED,
         description="Approval of the active code (the server's own code counts as approved)")
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where the current run's trackers write")
 
     # The original AgentJet server's keys, so its client (and scripts reading the dict of
     # `get_engine_status()`) find what they expect (docs/compat.md).
@@ -398,7 +406,9 @@ class PendingSnapshot(BaseModel):
 
 class ApprovalDecisionPublic(BaseModel):
     snapshot_id: str
-    decision: Literal["approved", "denied", "revoked"]
+    decision: Literal["approved", "denied", "revoked", "reopened"] = Field(
+        description="reopened: sent back to pending because the approval its review "
+                    "rested on was revoked or denied (the note names it)")
     approver: str
     at: float
     note: str = ""
@@ -449,6 +459,10 @@ class ApprovalDecisionRequest(_Model):
     snapshot_id: str = Field(pattern=r"^[0-9a-f]{64}$",
                              description="The full snapshot id, confirming what is decided")
     note: str = Field(default="", max_length=2000, description="Why (kept in the ledger)")
+    base_id: str | None = Field(
+        default=None, pattern=r"^([0-9a-f]{64}|server)$",
+        description="The base of the review that was read (`ReviewPage.base_id`); the "
+                    "approval rests on it. Default: the review's default base now")
 
 
 # ---------------------------------------------------------------------------- runs
@@ -473,6 +487,42 @@ class RunPublic(BaseModel):
         description="Per metric: first, last, best, best_step",
     )
     provenance: Provenance | None = None
+    trackers: dict[str, str] = Field(
+        default_factory=dict, description="Where each of the job's trackers writes (for "
+                                          "TensorBoard, the command to read it)")
+
+
+class CheckpointInfo(BaseModel):
+    name: str = Field(description="final, step_<n>, or either with .partial (incomplete)")
+    kind: Literal["step", "final"]
+    step: int | None = None
+    complete: bool = Field(description="Fully written (no .partial): the only kind to download")
+    files: int
+    bytes: int
+    lora: bool | None = Field(default=None, description="An adapter (with the base named in "
+                                                        "adapter_config.json), not full weights")
+    merged: bool = Field(default=False, description="Has merged/: the adapter merged into the "
+                                                    "base, a plain checkpoint")
+
+
+class CheckpointsPage(BaseModel):
+    run_id: str
+    checkpoints: list[CheckpointInfo]
+
+
+class CheckpointFileHash(BaseModel):
+    path: str
+    size: int
+    sha256: str
+
+
+class CheckpointManifest(BaseModel):
+    run_id: str
+    name: str
+    files: list[CheckpointFileHash]
+    archive_bytes: int = Field(description="Size of GET .../archive (a tar, the same bytes "
+                                           "every time)")
+    etag: str = Field(description="Changes when any file does; send as If-Range to resume")
 
 
 class RunsPage(BaseModel):
@@ -488,6 +538,36 @@ class MetricsResponse(BaseModel):
     total_steps: int
     last_step: int | None = None
     downsampled: bool = False
+
+
+class SamplePublic(BaseModel):
+    """One training sample of a step: a timeline of one agent in one episode."""
+
+    episode_uuid: str
+    task_id: str | None = None
+    agent: str = ""
+    advantage: float
+    reward: float | None = None
+    #: indices (in the episode's completions, in the order served) of the calls merged
+    completions: list[int]
+    token_ids: list[int]
+    #: the tokens decoded (special tokens kept); None when the engine had no tokenizer
+    text: str | None = None
+    #: 1 on the sampled tokens trained here, 0 on prompt, tool and template tokens
+    loss_mask: list[int]
+    #: the sampling log-prob at each trained position, 0.0 elsewhere
+    logprobs: list[float]
+
+
+class SamplesPage(BaseModel):
+    run_id: str
+    step: int
+    samples: list[SamplePublic]
+    #: samples in the step
+    total: int
+    offset: int
+    #: where the next page starts; None when this page ends the step
+    next_offset: int | None = None
 
 
 class LogsResponse(BaseModel):
@@ -535,6 +615,9 @@ class BeginEpisodeResponse(BaseModel):
     episode_uuid: str
     openai_base_url: str
     openai_api_key: str
+    #: the server root, without `/v1`: Anthropic clients append `/v1/messages` themselves
+    #: (`anthropic.Anthropic(base_url=..., api_key=openai_api_key)`, `ANTHROPIC_BASE_URL`)
+    anthropic_base_url: str | None = None
     run_id: str | None = None
     timeout_s: float | None = None
 
@@ -568,6 +651,19 @@ class AbortEpisodeRequest(_Model):
     declare_client_active: bool = True
 
 
+class CanContinueEpisodeRequest(_Model):
+    """`POST /can_continue_episode`: is the episode still claimed by this client?"""
+
+    client_uuid: str = Field(max_length=100)
+    episode_uuid: str = Field(max_length=100)
+
+
+class AgreeSyncWeightRequest(_Model):
+    """`POST /agree_sync_weight`: this client agrees to the next update."""
+
+    client_uuid: str = Field(max_length=100)
+
+
 # ---------------------------------------------------------------------------- engine
 
 
@@ -581,8 +677,31 @@ class EngineReport(BaseModel):
     run_id: str | None = None
     world_size: int = 1
     ranks_ajet_files: list[str] = Field(default_factory=list)
+    snapshot_id: str | None = Field(
+        default=None, description="Content id of the ajet/ tree rank 0 imported (the "
+        "snapshot id of its files, whatever the folder is called); None from older code")
+    ranks_snapshot_ids: list[str | None] = Field(
+        default_factory=list, description="The same for every rank, in rank order")
     episodes_in_flight: int = 0
     info: dict[str, Any] = Field(default_factory=dict)
+
+
+#: Where a failed engine process records why, in its run directory (`EngineFailure`).
+ENGINE_FAILURE_FILE = "failure.json"
+
+
+class EngineFailure(BaseModel):
+    """The first exception of a failed run, written by the engine for the server's
+    `last_error` (under torchrun: whichever rank failed first, recorded on node 0)."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(default=1, ge=1)
+    error: str = Field(max_length=2000, description="'ExceptionType: message'")
+    traceback: list[str] = Field(default_factory=list, max_length=200)
+
+    def describe(self) -> str:
+        who = f"rank {self.rank} of {self.world_size}" if self.world_size > 1 else "the engine"
+        return f"{who} failed: {self.error}"
 
 
 Role = Literal["control", "worker", "open"]

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from ajet.client import SwarmClient
+# A boundary import: the runner also takes the original's WorkflowOutput (ajet.schema.task)
+from ajet.compat.boundary import workflow_output_fields
 from ajet.errors import EngineStateConflict, SwarmConnectionError, SwarmError, SwarmHTTPError
-from ajet.original_wire import flat_log_metrics, reward_of
 from ajet.protocol import BeginEpisodeResponse
-from ajet.schema.task import WorkflowOutput as OriginalWorkflowOutput
 
 __all__ = ["RolloutRunner", "RolloutStats", "WorkflowFn", "WorkflowOutput", "load_workflow",
            "run_workflow"]
@@ -300,10 +300,8 @@ def _fix_for(exc: Exception) -> str:
 def _as_output(result: float | WorkflowOutput) -> WorkflowOutput:
     if isinstance(result, WorkflowOutput):
         output = result
-    elif isinstance(result, OriginalWorkflowOutput):  # ajet.schema.task, as AgentJet writes it
-        output = WorkflowOutput(reward=reward_of(result), is_success=result.is_success,
-                                log_metrics=flat_log_metrics(result.log_metrics),
-                                metadata=dict(result.metadata))
+    elif (original := workflow_output_fields(result)) is not None:  # ajet.schema.task's
+        output = WorkflowOutput(**original)
     elif isinstance(result, (int, float)) and not isinstance(result, bool):
         output = WorkflowOutput(reward=float(result))
     else:

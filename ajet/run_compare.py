@@ -10,18 +10,29 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 from pydantic import BaseModel, Field
 
-if TYPE_CHECKING:
-    from ajet.client import SwarmClient
+from ajet.protocol import MetricsResponse, RunPublic
 
-__all__ = ["LOWER_IS_BETTER", "ComparedRun", "MetricOutcome", "RunComparison", "compare_runs"]
+__all__ = ["LOWER_IS_BETTER", "ComparedRun", "MetricOutcome", "RunComparison", "RunsReader",
+           "compare_runs"]
 
 #: Metrics for which the best value is the smallest; every other metric is maximised.
 LOWER_IS_BETTER = frozenset({"loss", "kl", "step_time_s", "wall_time_s"})
+
+
+class RunsReader(Protocol):
+    """The two runs-API calls a comparison needs; `ajet.client.SwarmClient` has them (this
+    module does not import it, as `SwarmClient.compare_runs` calls this one)."""
+
+    def get_run(self, run_id: str) -> RunPublic: ...
+
+    def get_metrics(self, run_id: str = "current", *, since_step: int | None = None,
+                    fields: list[str] | None = None, max_points: int | None = None
+                    ) -> MetricsResponse: ...
 
 
 class MetricOutcome(BaseModel):
@@ -56,7 +67,7 @@ class RunComparison(BaseModel):
     best_run: str | None = Field(description="The run with the best value of the metric")
 
 
-def compare_runs(client: SwarmClient, run_ids: Sequence[str], metric: str = "reward_mean"
+def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "reward_mean"
                  ) -> dict[str, Any]:
     """Per run: snapshot, config differences between the runs, metric first/last/best.
 

@@ -35,6 +35,7 @@ from bench import (
     bench_restart,
     bench_soak,
     bench_sync,
+    bench_timelines,
     bench_train_memory,
     bench_training,
 )
@@ -55,6 +56,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "generation": bench_generation.run,
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
+    "timelines": bench_timelines.run,
     "memory_plan": bench_memory_plan.run,
     "soak": bench_soak.run,
 }

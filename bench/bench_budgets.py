@@ -150,8 +150,7 @@ def run(ctx: BenchContext) -> list[Row]:
         with LocalServer(ctx.path("budget-blobs")) as server, server.client() as client:
             pid, base = _idle_rss(server)
             with _PeakRss(pid) as peak:
-                client._call("POST", "/code/blobs", content=body,
-                             headers={"Content-Type": "application/octet-stream"})
+                client.upload_blob_batch(body)
             blob_growth.append(peak.peak - base)
     zip_path.unlink()
 

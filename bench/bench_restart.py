@@ -4,7 +4,7 @@ again on the new snapshot, against the floor of importing torch and loading the 
     python -m bench --only restart
 
 The measured path is what a user waits for: edit one file of the 150-file tree, call
-`sync_train_code_from_dir(tree, force_restart=True)` (package, manifest, upload,
+`push_code(tree, force_restart=True)` (package, manifest, upload,
 commit, stop the running engine, start a new one on the snapshot), then poll
 `engine_status()` until ENGINE.ROLLING with the new snapshot id and a new run id.
 

@@ -8,7 +8,7 @@ What a user waits for after editing one file of the 150-file, 1.5 MB tree, two w
   against a local Ray head on loopback with token authentication (`RAY_AUTH_MODE=token`,
   `RAY_AUTH_TOKEN`), waiting for the job to finish, as `ray job submit` does by default.
   The job only imports the new code; it loads no model.
-- Ours: `sync_train_code_from_dir(TREE, force_restart=True)` until the engine is
+- Ours: `push_code(TREE, force_restart=True)` until the engine is
   ENGINE.ROLLING on the new snapshot (`bench.bench_restart.restart_once`), which does
   more: it also stops the old engine and loads the model.
 
@@ -209,7 +209,7 @@ def measure(ctx: BenchContext, venv: Path) -> list[Row]:
         Row("ray job submit --working-dir TREE -- python -c 'import torch, transformers, "
             "ajet'", ray_median, "s", rerun=RERUN, repetitions=ctx.reps,
             note="one-file edit, token auth, waits for the job to end"),
-        Row("sync_train_code_from_dir(force_restart=True) until ROLLING on the new snapshot",
+        Row("push_code(force_restart=True) until ROLLING on the new snapshot",
             ours_median, "s", "ray job submit", ray_median,
             target=f"<= {1 / TARGET_SPEEDUP:.2f}x Ray ({TARGET_SPEEDUP:g}x faster)",
             met=speedup >= TARGET_SPEEDUP, rerun=RERUN, repetitions=ctx.reps,

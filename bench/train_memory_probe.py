@@ -118,7 +118,9 @@ def peak(model_dir: Path, out: Path, path: str, *, quick: bool) -> None:
                  for _ in range(rows)]
     batch = pack_responses(prompts, responses, pad_id=0, device=torch.device("cpu"))
     if path == "new":
-        lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        from ajet.engine.parallel.training_model import enable_activation_checkpointing
+
+        enable_activation_checkpointing(lm)
         scorer = ResponseScorer(lm, chunk_tokens=1024)
     before = _rss_mb()
     if path == "new":

@@ -166,7 +166,7 @@ def _approvals_main(argv: list[str]) -> int:
                 _complain(f"approvals: {pending.server_url} enforces approvals on the server; "
                           "a local approval means nothing there. An approver approves at "
                           f"{pending.server_url}/ui/snapshots/{pending.snapshot_id} or with "
-                          f"`ajet-swarm approvals approve {pending.snapshot_id[:12]}`")
+                          f"`ajet-swarm approvals approve {pending.snapshot_id}`")
                 return 1
             _show(pending, full=True)
             if not _confirmed(pending):

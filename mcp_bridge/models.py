@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from ajet.protocol import CheckpointInfo
+
 __all__ = [
     "ActivateResult",
     "ApprovalInfo",
@@ -53,6 +55,7 @@ class ToolName(str, enum.Enum):
     READ_METRICS = "read_metrics"
     READ_LOGS = "read_logs"
     LIST_RUNS = "list_runs"
+    LIST_CHECKPOINTS = "list_checkpoints"
     COMPARE_RUNS = "compare_runs"
     LIST_SNAPSHOTS = "list_snapshots"
     ACTIVATE_SNAPSHOT = "activate_snapshot"
@@ -305,6 +308,14 @@ class RunsResult(ToolResult):
     runs: list[RunRow]
     total: int
     next_offset: int | None = None
+
+
+class CheckpointsResult(ToolResult):
+    run_id: str
+    checkpoints: list[CheckpointInfo]
+    download: str | None = Field(
+        default=None, description="The command a person runs to download the latest "
+                                  "complete one (weights never go through the agent)")
 
 
 class RunComparison(BaseModel):

@@ -2,7 +2,7 @@
 
 A workflow is the agent's own code; it never runs in the bridge, which holds the control
 token and writes the approvals folder. This process gets neither: its environment has no
-`AJET_SWARM_*` or `AJET_MCP_*` variable, and everything it needs comes over its stdin as
+`AJET_*` variable, and everything it needs comes over its stdin as
 JSON lines (`mcp_bridge.rollouts` is the other end):
 
     -> {"type": "start", "workflow", "repo", "n_workers", "num_repeat", "max_episodes",

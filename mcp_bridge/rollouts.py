@@ -3,8 +3,8 @@
 A workflow `package.module:function` (or `path/file.py:function`) is the agent's own code,
 so it never runs in the bridge, which holds the control token and writes the approvals
 folder. `start` launches `python -m mcp_bridge.rollout_child` (same interpreter) in an
-empty temp folder, with an environment that has no `AJET_SWARM_*` / `AJET_MCP_*`
-variable, and talks to it over its stdin/stdout (JSON lines; the protocol and which
+empty temp folder, with an environment that has no `AJET_*` variable (nor a copy of
+one's value under another name), and talks to it over its stdin/stdout (JSON lines; the protocol and which
 `ajet` the child imports are in `mcp_bridge.rollout_child`):
 
 - with a worker token, the child claims and ends episodes itself with that token (sent
@@ -49,14 +49,22 @@ DEFAULT_WORKFLOW_TIMEOUT_S = 600.0
 #: How long the child may take to import the workflow and list its tasks.
 LOAD_TIMEOUT_S = 120.0
 _STDERR_TAIL = 40
-#: Environment variables a workflow must never see: tokens, the approvals folder.
-_SECRET_PREFIXES = ("AJET_SWARM_", "AJET_MCP_")
+#: Environment variables a workflow must never see: every `AJET_*` one (tokens, the
+#: approvals folder, the approver's own token, names not thought of yet).
+_SECRET_PREFIX = "AJET_"
+#: A value this short is no secret worth hunting for under other names ("1", "info").
+_MIN_SECRET_CHARS = 8
 
 
 def child_environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """The bridge's environment without any `AJET_SWARM_*` / `AJET_MCP_*` variable."""
+    """The bridge's environment without any `AJET_*` variable, nor any other variable
+    whose value holds one of theirs (`MY_TOKEN=$AJET_SWARM_TOKEN`); the rest of the
+    user's environment (PATH, HOME, proxies, their own keys) stays."""
     source = dict(os.environ if env is None else env)
-    return {k: v for k, v in source.items() if not k.startswith(_SECRET_PREFIXES)}
+    secrets = [v for k, v in source.items()
+               if k.upper().startswith(_SECRET_PREFIX) and len(v) >= _MIN_SECRET_CHARS]
+    return {k: v for k, v in source.items()
+            if not k.upper().startswith(_SECRET_PREFIX) and not any(s in v for s in secrets)}
 
 
 class _Child:

@@ -29,6 +29,7 @@ from mcp_bridge.bridge import Bridge
 from mcp_bridge.models import (
     ActivateResult,
     ApprovalMode,
+    CheckpointsResult,
     CompareResult,
     ConfigureResult,
     EngineStatusResult,
@@ -291,6 +292,15 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
         """Training runs, newest first: run id, status, snapshot, steps, reward last/best."""
         return done(tools.list_runs(bridge, experiment_name=experiment_name, status=status,
                                     offset=offset, limit=limit))
+
+    @mcp.tool(name=ToolName.LIST_CHECKPOINTS.value, annotations=_READ_ONLY)
+    def list_checkpoints(
+        run_id: Annotated[str, Field(description="A run id from list_runs, or 'current'.")
+                          ] = "current",
+    ) -> CheckpointsResult:
+        """A run's checkpoints (name, step, size, complete or not) and the command a person
+        runs to download one; the weights never pass through this conversation."""
+        return done(tools.list_checkpoints(bridge, run_id=run_id))
 
     @mcp.tool(name=ToolName.COMPARE_RUNS.value, annotations=_READ_ONLY)
     def compare_runs(

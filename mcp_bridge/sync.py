@@ -265,7 +265,7 @@ def approve_command(store: ApprovalStore, approval_id: str) -> str:
 
 def server_approve_command(snapshot_id: str) -> str:
     """What an approver runs on an enforcing server (with their AJET_SWARM_APPROVER_TOKEN)."""
-    return f"ajet-swarm approvals approve {snapshot_id[:12]}"
+    return f"ajet-swarm approvals approve {snapshot_id}"
 
 
 def console_url(bridge: Bridge, snapshot_id: str) -> str:

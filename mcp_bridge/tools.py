@@ -26,6 +26,7 @@ from ajet.run_compare import compare_runs as compare
 from mcp_bridge.bridge import Bridge, swarm_errors, tool_error
 from mcp_bridge.models import (
     ActivateResult,
+    CheckpointsResult,
     CompareResult,
     ConfigChange,
     ConfigureResult,
@@ -422,6 +423,21 @@ def list_runs(bridge: Bridge, *, experiment_name: str | None = None, status: str
         message += f" More: {ToolName.LIST_RUNS} with offset={next_offset}."
     message += f" Next: {ToolName.COMPARE_RUNS} with two run ids."
     return RunsResult(message=message, runs=rows, total=page.total, next_offset=next_offset)
+
+
+def list_checkpoints(bridge: Bridge, *, run_id: str = "current") -> CheckpointsResult:
+    """A run's checkpoints, and how a person downloads one (never through the agent)."""
+    with swarm_errors(f"call {ToolName.LIST_RUNS} for valid run ids"):
+        page = bridge.client.list_checkpoints(run_id)
+    complete = [c for c in page.checkpoints if c.complete]
+    download = (f"ajet-swarm runs download {page.run_id} DIR --swarm-url {bridge.client.server_url}"
+                if complete else None)
+    message = (f"Run {page.run_id}: {len(page.checkpoints)} checkpoint(s), {len(complete)} "
+               "complete.")
+    message += (f" A person downloads one with: {download} [--checkpoint NAME]." if download
+                else " None complete yet: a run saves every save_every steps and at stop.")
+    return CheckpointsResult(message=message, run_id=page.run_id,
+                             checkpoints=page.checkpoints[-20:], download=download)
 
 
 def compare_runs(bridge: Bridge, run_ids: Sequence[str], *,

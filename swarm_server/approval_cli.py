@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from datetime import datetime
 
@@ -22,6 +23,7 @@ __all__ = ["APPROVER_TOKEN_ENV", "run_approvals"]
 APPROVER_TOKEN_ENV = "AJET_SWARM_APPROVER_TOKEN"
 _PAGE_LINES = 2000
 _CONFIRM_CHARS = 12
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
 
 
 def run_approvals(args: argparse.Namespace) -> int:
@@ -56,7 +58,8 @@ def _list(client: SwarmClient) -> int:
                     f"{p.claimed_host or '?'}"
             _say(f"{p.snapshot_id[:12]:<14} {_local(p.created):<17} {p.file_count:>6} "
                  f"{p.total_bytes:>9}  {claim}")
-        _say("\nReview with `ajet-swarm approvals show ID`, then `approve ID` or `deny ID`.")
+        _say("\nReview with `ajet-swarm approvals show ID` (a prefix will do); it prints the "
+             "full id that `approve` and `deny` need.")
     if page.recent:
         _say("\nRecent decisions:")
         for d in page.recent:
@@ -104,24 +107,35 @@ def _show(client: SwarmClient, ref: str, *, offset: int, lines: int | None,
                                    base=base)
     if review.next_offset is not None:
         _say(f"... more: --offset {review.next_offset}")
+    _say(f"\nTo decide, name the full id: ajet-swarm approvals approve {review.snapshot_id}"
+         " (or deny / revoke)")
     return 0
 
 
 def _decide(client: SwarmClient, verb: str, ref: str, *, note: str, yes: bool) -> int:
-    review = client.get_review(ref, limit=1)
+    # The full id only: a prefix resolved now could name a snapshot uploaded after `show`.
+    snapshot_id = ref.strip().lower()
+    if not _FULL_ID.fullmatch(snapshot_id):
+        _complain(f"{verb}: {ref[:64]!r} is not a full snapshot id (64 hex characters); "
+                  f"`ajet-swarm approvals show {ref[:12]}` prints the full id to {verb}")
+        return 2
+    review = client.get_review(snapshot_id, limit=1)
+    if review.snapshot_id != snapshot_id:  # cannot happen with a full id; never trust it
+        _complain(f"{verb}: the server answered another snapshot; nothing was decided")
+        return 1
     _header(review)
-    snapshot_id = review.snapshot_id
     if not yes:
         if not sys.stdin.isatty():
             _complain(f"{verb}: not a terminal; review with `ajet-swarm approvals show "
-                      f"{snapshot_id[:12]}`, then pass --yes")
+                      f"{snapshot_id}`, then pass --yes")
             return 2
         typed = input(f"\nType the first {_CONFIRM_CHARS} characters of the snapshot id to "
                       f"{verb} it: ").strip().lower()
         if typed != snapshot_id[:_CONFIRM_CHARS]:
             _complain(f"{verb}: the id did not match; nothing was decided")
             return 1
-    decision = client.decide_approval(snapshot_id, verb, note=note)
+    # the approval rests on the base of the review shown above, whatever changes meanwhile
+    decision = client.decide_approval(snapshot_id, verb, note=note, base_id=review.base_id)
     _say(f"\nSnapshot {decision.snapshot_id[:12]} {decision.decision} by {decision.approver}.")
     if decision.decision == "approved":
         _say("The engine can now start on it: the agent syncs again (or activates it).")

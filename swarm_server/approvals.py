@@ -13,6 +13,13 @@ the snapshot id, which is the hash of its content, and written to the audit log 
 approver's name. Approvals never expire; a denial, or a revocation after an approval, is
 final for that content (any edit makes a new snapshot id, which is pending).
 
+An approval rests on its review's base (`base_id`): what was approved is the diff
+against that base, so the base's code is inside it unseen. A snapshot is runnable only
+while its whole chain of bases, back to the server's own code, is approved. Revoking or
+denying a snapshot sends every approval resting on it, directly or through a chain,
+back to pending (a `reopened` row whose note names why), and the engine is stopped if
+it runs any of them.
+
 The review an approver reads is computed here, from the server's own stored files
 (`ajet.code_review`): the pending snapshot against the code the engine runs now if that is
 approved, else against the server's own `ajet/`. Comparing with approved code only means
@@ -54,13 +61,15 @@ log = logging.getLogger(__name__)
 
 #: decision -> the state it leads to
 DECISIONS = {"approved": ApprovalState.APPROVED, "denied": ApprovalState.DENIED,
-             "revoked": ApprovalState.REVOKED}
+             "revoked": ApprovalState.REVOKED, "reopened": ApprovalState.PENDING}
 #: decision -> the states it may be taken from
 _FROM = {"approved": (ApprovalState.PENDING,), "denied": (ApprovalState.PENDING,),
          "revoked": (ApprovalState.APPROVED,)}
 _AUDIT_ACTION = {"approved": "approve", "denied": "deny", "revoked": "revoke"}
 _REVIEW_CACHE = 8
 _SHORT = 12
+#: Longest chain of bases followed (a chain is one approval per sync; far shorter).
+_MAX_CHAIN = 10_000
 
 
 def approve_command(snapshot_id: str) -> str:
@@ -93,15 +102,30 @@ class Approvals:
         if snapshot_id == SERVER_CODE:
             return SnapshotApproval(state=ApprovalState.APPROVED,
                                     note="the server's own code counts as approved")
-        latest = self.ledger.latest_approvals([snapshot_id]).get(snapshot_id)
-        return _approval(latest)
+        return self.states([snapshot_id])[snapshot_id]
 
     def states(self, snapshot_ids: list[str]) -> dict[str, SnapshotApproval]:
+        """Each snapshot's state; an approval whose chain of bases is broken reads pending."""
         if not self.enforced:
             return {i: SnapshotApproval(state=ApprovalState.NOT_ENFORCED) for i in snapshot_ids}
-        latest = self.ledger.latest_approvals(snapshot_ids)
-        return {i: self.state(i) if i == SERVER_CODE else _approval(latest.get(i))
-                for i in snapshot_ids}
+        latest = self.ledger.latest_approvals()
+        out: dict[str, SnapshotApproval] = {}
+        for i in snapshot_ids:
+            if i == SERVER_CODE:
+                out[i] = SnapshotApproval(state=ApprovalState.APPROVED,
+                                          note="the server's own code counts as approved")
+                continue
+            approval = _approval(latest.get(i))
+            broken = _chain_break(i, latest) if approval.state is ApprovalState.APPROVED \
+                else None
+            if broken is not None:
+                base, base_state = broken
+                approval = SnapshotApproval(
+                    state=ApprovalState.PENDING, approver=approval.approver, at=approval.at,
+                    note=f"its review rested on snapshot {base[:_SHORT]}, which is "
+                         f"{base_state.value}; an approver reviews it again")
+            out[i] = approval
+        return out
 
     def runnable(self, snapshot_id: str) -> bool:
         return self.state(snapshot_id).state in (ApprovalState.APPROVED,
@@ -130,7 +154,7 @@ class Approvals:
     def hint(self, snapshot_id: str, approval: SnapshotApproval) -> str:
         if approval.state is ApprovalState.PENDING:
             return (f"an approver reviews and approves it: {approve_command(snapshot_id)}, then "
-                    f"`ajet-swarm approvals approve {snapshot_id[:_SHORT]}` (their own "
+                    f"`ajet-swarm approvals approve {snapshot_id}` (their own "
                     "AJET_SWARM_APPROVER_TOKEN); then sync again or POST /code/activate")
         return ("change the code under ajet/ and sync again (a new snapshot is pending), or "
                 "activate an approved snapshot (GET /code/snapshots)")
@@ -138,7 +162,7 @@ class Approvals:
     def where(self, snapshot_id: str) -> dict[str, str]:
         """Where a human approves this snapshot."""
         return {"console": f"/ui/snapshots/{snapshot_id}",
-                "cli": f"ajet-swarm approvals approve {snapshot_id[:_SHORT]}"}
+                "cli": f"ajet-swarm approvals approve {snapshot_id}"}
 
     # ------------------------------------------------------------------ listing
 
@@ -147,14 +171,25 @@ class Approvals:
         if not self.enforced:
             return []
         records = self.snapshots.records()
-        latest = self.ledger.latest_approvals([r.id for r in records])
-        return [self.pending_row(r) for r in records if r.id not in latest]
+        states = self.states([r.id for r in records])
+        return [self.pending_row(r, states[r.id]) for r in records
+                if states[r.id].state is ApprovalState.PENDING]
 
-    def pending_row(self, rec: SnapshotRecord) -> PendingSnapshot:
+    def pending_ids(self) -> set[str]:
+        """Ids of the pending snapshots: garbage collection never removes them."""
+        if not self.enforced:
+            return set()
+        records = self.ledger.list_snapshots()
+        states = self.states([r.id for r in records])
+        return {i for i, a in states.items() if a.state is ApprovalState.PENDING}
+
+    def pending_row(self, rec: SnapshotRecord, approval: SnapshotApproval | None = None
+                    ) -> PendingSnapshot:
         prov = _provenance(rec)
         return PendingSnapshot(
             snapshot_id=rec.id, created=rec.created, file_count=rec.file_count,
-            total_bytes=rec.total_bytes, approval=self.state(rec.id),
+            total_bytes=rec.total_bytes,
+            approval=approval if approval is not None else self.state(rec.id),
             claimed_head=escape_text(prov.git_head or "") or None,
             claimed_branch=escape_text(prov.branch or "") or None,
             claimed_host=escape_text(prov.host or "") or None)
@@ -168,8 +203,24 @@ class Approvals:
     # ------------------------------------------------------------------ decide
 
     def decide(self, rec: SnapshotRecord, decision: str, *, approver: str, note: str = "",
-               confirm: str) -> ApprovalDecisionPublic:
-        """Record `decision` on `rec`, if its current state allows it (else 409)."""
+               confirm: str, base: str | None = None) -> ApprovalDecisionPublic:
+        """Record `decision` on `rec`, if its current state allows it (else 409).
+
+        A revocation or denial also reopens every approval resting on `rec`
+        (`reopened_by`); the caller stops an engine running any of them.
+        """
+        row, _ = self.decide_cascading(rec, decision, approver=approver, note=note,
+                                       confirm=confirm, base=base)
+        return row
+
+    def decide_cascading(self, rec: SnapshotRecord, decision: str, *, approver: str,
+                         note: str = "", confirm: str, base: str | None = None
+                         ) -> tuple[ApprovalDecisionPublic, list[str]]:
+        """`decide`, and the ids of the approvals it sent back to pending.
+
+        `base` is the base of the review the approver read; the approval rests on it
+        (it must be the server's code or runnable now). Default: `self.base()`.
+        """
         if confirm != rec.id:
             raise BadRequest(f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
                              "send the full snapshot id of what you reviewed")
@@ -183,14 +234,49 @@ class Approvals:
                     + f"; only a {allowed} snapshot can be {decision}",
                     "revoke an approved snapshot; denied and revoked ones are final"
                     if decision != "revoked" else "only an approved snapshot can be revoked")
-            base_id, _ = self.base()
+            # only an approval rests on a base; a revocation or denial must never be
+            # held up by the base its page showed
+            base_id = self._checked_base(base)[0] if base is not None and \
+                decision == "approved" else self.base()[0]
+            now = time.time()
             row = self.ledger.add_approval(ApprovalRecord(
-                snapshot_id=rec.id, decision=decision, approver=approver, at=time.time(),
+                snapshot_id=rec.id, decision=decision, approver=approver, at=now,
                 note=note, base_id=base_id))
+            reopened = self._reopen_resting_on(rec.id, decision, approver=approver, at=now) \
+                if decision in ("revoked", "denied") else []
         self.ledger.audit(_AUDIT_ACTION[decision], f"approver:{approver}", "ok",
-                          {"snapshot_id": rec.id, "note": note, "base_id": base_id})
-        log.info("snapshot %s %s by %s", rec.id[:_SHORT], decision, approver)
-        return _public(row)
+                          {"snapshot_id": rec.id, "note": note, "base_id": base_id,
+                           "reopened": reopened})
+        log.info("snapshot %s %s by %s%s", rec.id[:_SHORT], decision, approver,
+                 f"; {len(reopened)} approval(s) resting on it back to pending"
+                 if reopened else "")
+        return _public(row), reopened
+
+    def _reopen_resting_on(self, snapshot_id: str, decision: str, *, approver: str,
+                           at: float) -> list[str]:
+        """Reopen every approval whose chain of bases reaches `snapshot_id`. Holds `_lock`."""
+        latest = self.ledger.latest_approvals()
+        resting: dict[str, list[str]] = {}
+        for sid, row in latest.items():
+            if row.decision == "approved":
+                resting.setdefault(row.base_id or SERVER_CODE, []).append(sid)
+        reopened: list[str] = []
+        todo, seen = [snapshot_id], {snapshot_id}
+        while todo:
+            base = todo.pop()
+            for sid in resting.get(base, []):
+                if sid in seen:
+                    continue
+                seen.add(sid)
+                todo.append(sid)
+                reopened.append(sid)
+                via = "" if base == snapshot_id else f" through {base[:_SHORT]}"
+                self.ledger.add_approval(ApprovalRecord(
+                    snapshot_id=sid, decision="reopened", approver=approver, at=at,
+                    note=f"back to pending: its review rested on snapshot "
+                         f"{snapshot_id[:_SHORT]}{via}, which was {decision} by {approver}; "
+                         "review it again", base_id=base))
+        return reopened
 
     # ------------------------------------------------------------------ review
 
@@ -297,6 +383,26 @@ def _provenance(rec: SnapshotRecord) -> Provenance:
         return Provenance.model_validate(rec.provenance)
     except ValueError:
         return Provenance()
+
+
+def _chain_break(snapshot_id: str, latest: dict[str, ApprovalRecord]
+                 ) -> tuple[str, ApprovalState] | None:
+    """The first base up the approval chain of `snapshot_id` that is not approved, with its
+    state, or None when the chain reaches the server's own code approved all the way."""
+    seen = {snapshot_id}
+    row = latest.get(snapshot_id)
+    for _ in range(_MAX_CHAIN):
+        base = (row.base_id if row is not None else None) or SERVER_CODE
+        if base == SERVER_CODE:
+            return None
+        if base in seen:  # cannot be built by decide(); never trust a loop
+            return base, ApprovalState.PENDING
+        seen.add(base)
+        row = latest.get(base)
+        state = _approval(row).state
+        if state is not ApprovalState.APPROVED:
+            return base, state
+    return snapshot_id, ApprovalState.PENDING
 
 
 def _approval(latest: ApprovalRecord | None) -> SnapshotApproval:

@@ -29,9 +29,10 @@ from starlette.datastructures import Headers, State
 from swarm_server.errors import Forbidden, Unauthorized
 from swarm_server.settings import Settings
 
-__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "ReaderRequirement",
+__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "IndexRequirement",
+           "ReaderRequirement",
            "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
-           "bearer_token", "require_approver", "require_control", "require_reader",
+           "bearer_token", "episode_key", "require_approver", "require_control", "require_reader",
            "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
@@ -48,6 +49,13 @@ def bearer_token(authorization: str | None) -> str | None:
     if scheme.lower() != "bearer" or not value.strip():
         return None
     return value.strip()
+
+
+def episode_key(headers: Headers) -> str | None:
+    """The episode key of a `/v1/*` request: `Authorization: Bearer` (OpenAI clients, the
+    Anthropic SDK's `auth_token`), else `x-api-key` (the Anthropic SDK's `api_key`,
+    `ANTHROPIC_API_KEY` harnesses)."""
+    return bearer_token(headers.get("authorization")) or headers.get("x-api-key") or None
 
 
 def _matches(given: str, expected: str) -> bool:
@@ -204,6 +212,21 @@ class ReaderRequirement(Requirement):
 
     def check(self, state: State, headers: Headers) -> Role:
         return require_reader(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class IndexRequirement(Requirement):
+    """The server's index (`GET /`): a reader token, or the key of a live episode, because
+    harnesses given only a base URL and an API key (Claude Code) probe the root first."""
+
+    access: str = "reader or episode key"
+
+    def check(self, state: State, headers: Headers) -> str:
+        try:
+            return require_reader(state.ctx.settings, _token(headers))
+        except Unauthorized:
+            state.ctx.episodes.check_key(episode_key(headers))
+            return "episode"
 
 
 @dataclass(frozen=True)

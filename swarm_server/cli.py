@@ -1,9 +1,12 @@
 """`ajet-swarm`: start, inspect and stop a swarm server.
 
     ajet-swarm start --swarm-port=10086 [--host 127.0.0.1] [--workdir .]
+                     [--engine-env NAME,...] [--engine-user NAME] [--new-ledger]
     ajet-swarm status [--swarm-url URL]
     ajet-swarm stop   [--swarm-url URL]      # stops the engine, then the server
-    ajet-swarm approvals list | show REF | approve REF | deny REF | revoke REF
+    ajet-swarm approvals list | show REF | approve ID | deny ID | revoke ID
+    ajet-swarm runs checkpoints RUN              # a run's checkpoints
+    ajet-swarm runs download RUN [--checkpoint NAME] DIR   # resumable, verified
 
 `start` writes `<workdir>/swarm_server.pid` (the pid and the process's start time) so that
 `stop` can find the process, and `stop` signals it only when that pid is still this
@@ -11,7 +14,8 @@ server (same start time, a `swarm_server` command line), never a process that re
 `approvals` is for headless approvers: it reads one approver token from
 `AJET_SWARM_APPROVER_TOKEN` (the server's own list is `AJET_SWARM_APPROVER_TOKENS`) and
 prints the review the server computed from its own files, every control character
-escaped. A decision asks to type the snapshot id's first characters, or takes `--yes`.
+escaped. `show` takes a prefix and prints the full id; a decision takes only the full id,
+and asks to type its first characters, or takes `--yes`.
 """
 
 from __future__ import annotations
@@ -40,10 +44,32 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--workdir", default=".",
                        help="where ajet_temp/, runs/ and the ledger live (default: cwd)")
     start.add_argument("--log-level", default="info")
+    start.add_argument("--engine-env", default=None, metavar="NAME,...",
+                       help="more variables of this environment passed to the engine, its "
+                            "ranks, the standby and the config validator (synced code can "
+                            "read them; AJET_SWARM_* and AJET_MCP_* never pass)")
+    start.add_argument("--engine-user", default=None, metavar="NAME",
+                       help="run the engine, the standby and the validator as this OS user "
+                            "(the server must be able to switch users: run it as root)")
+    start.add_argument("--new-ledger", action="store_true",
+                       help="start a fresh ledger when the ledger file is empty or "
+                            "unreadable (the old file is moved aside); without it the server "
+                            "refuses to start on such a ledger")
     for name, text in (("status", "print the engine status"), ("stop", "stop engine and server")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--swarm-url", default=_default_url())
         cmd.add_argument("--workdir", default=".", help="the server's workdir (for its pid file)")
+    runs = sub.add_parser("runs", help="a run's checkpoints, and downloading one "
+                                        "(control token from AJET_SWARM_TOKEN)")
+    runs.add_argument("--swarm-url", default=_default_url())
+    run_verbs = runs.add_subparsers(dest="verb", required=True)
+    listing = run_verbs.add_parser("checkpoints", help="list a run's checkpoints")
+    listing.add_argument("run", help="a run id, or 'current'")
+    download = run_verbs.add_parser("download", help="download a checkpoint into DIR/<name>")
+    download.add_argument("run", help="a run id, or 'current'")
+    download.add_argument("dir", help="the folder to download into")
+    download.add_argument("--checkpoint", default=None,
+                          help="final or step_<n> (default: the latest complete)")
     approvals = sub.add_parser(
         "approvals", help="review and decide pending code snapshots (AJET_SWARM_APPROVER_TOKEN)")
     approvals.add_argument("--swarm-url", default=_default_url())
@@ -60,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
                        ("deny", "refuse it: it never runs"),
                        ("revoke", "revoke an approval: it never runs again")):
         cmd = verbs.add_parser(verb, help=text)
-        cmd.add_argument("ref", help="snapshot id or unique prefix")
+        cmd.add_argument("ref", help="the full snapshot id (64 hex characters; `show` "
+                                     "prints it)")
         cmd.add_argument("--note", default="", help="why (kept in the ledger)")
         cmd.add_argument("--yes", action="store_true",
                          help="do not ask to type the snapshot id (after reviewing with show)")
@@ -87,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         from swarm_server.approval_cli import run_approvals
 
         return run_approvals(args)
+    if args.command == "runs":
+        return _runs(args)
     return _stop(args)
 
 
@@ -95,6 +124,7 @@ def _start(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from swarm_server.http_protocol import with_header_timeout
+    from swarm_server.errors import StartupRefused
     from swarm_server.main import create_app
     from swarm_server.settings import Settings
 
@@ -104,7 +134,11 @@ def _start(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     workdir = Path(args.workdir).resolve()
     try:
-        settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir)
+        given = {k: v for k, v in (("engine_env", args.engine_env),
+                                   ("engine_user", args.engine_user)) if v is not None}
+        if args.new_ledger:
+            given["new_ledger"] = True
+        settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir, **given)
     except ValidationError as exc:
         for err in exc.errors():
             sys.stderr.write(f"ajet-swarm: {err['msg'].removeprefix('Value error, ')}\n")
@@ -117,7 +151,11 @@ def _start(args: argparse.Namespace) -> int:
             f"http://{settings.host}:{settings.port}`; or start on another port with "
             "--swarm-port\n")
         return 2
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except StartupRefused as exc:
+        sys.stderr.write(f"ajet-swarm: {exc}\n")
+        return 2
     pid_file = workdir / "swarm_server.pid"
     pid_file.write_text(json.dumps({"pid": os.getpid(), "started": _start_time(os.getpid())}))
     try:
@@ -217,6 +255,27 @@ def _status(args: argparse.Namespace) -> int:
         sys.stderr.write(f"ajet-swarm: {exc}\n")
         return 1
     sys.stdout.write(json.dumps(status.model_dump(mode="json"), indent=2) + "\n")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from ajet.client import SwarmClient
+    from ajet.errors import SwarmError
+
+    try:
+        with SwarmClient(args.swarm_url, timeout=60) as client:
+            if args.verb == "checkpoints":
+                page = client.list_checkpoints(args.run)
+                for c in page.checkpoints:
+                    sys.stdout.write(f"{c.name:<20} step {c.step!s:<6} {c.bytes:>14,} bytes "
+                                     f"{c.files:>5} files {'complete' if c.complete else 'partial'}"
+                                     f"{' lora' if c.lora else ''}{' +merged' if c.merged else ''}\n")
+                return 0
+            path = client.download_checkpoint(args.run, args.dir, name=args.checkpoint)
+    except (SwarmError, FileExistsError) as exc:
+        sys.stderr.write(f"ajet-swarm: {exc}\n")
+        return 1
+    sys.stdout.write(f"{path}\n")
     return 0
 
 

@@ -19,14 +19,22 @@ from typing import Any
 
 import yaml
 
+from swarm_server.engine_user import EngineUser
 from swarm_server.errors import Unprocessable
+from swarm_server.run_files import redact_secrets
 from swarm_server.settings import Settings
-from swarm_server.supervisor import snapshot_env
+from swarm_server.supervisor import engine_env
 
-__all__ = ["ValidatedConfig", "config_hash", "is_inside", "validate_job_yaml"]
+__all__ = ["ValidatedConfig", "config_hash", "is_inside", "refuse_yaml_expansion",
+           "validate_job_yaml"]
 
 log = logging.getLogger(__name__)
 
+_STDERR_TAIL_BYTES = 16 * 1024
+#: A validator's JSON result: a job config with notes and a memory estimate, far smaller.
+_MAX_RESULT_BYTES = 4 * 1024 * 1024
+_STDERR_TAIL_LINES = 15
+_STDERR_LINE_CHARS = 400
 _HINT_FIX_CODE = ("the validator of the active code failed: fix ajet/copilot/ in your tree and "
                   "sync again, or activate the server's code with activate_snapshot('server')")
 
@@ -50,19 +58,58 @@ def config_hash(yaml_text: str) -> str:
     return hashlib.sha256(yaml_text.encode("utf-8")).hexdigest()
 
 
-def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None
-                      ) -> ValidatedConfig:
+#: libyaml's scanner where installed: linear, and fast on a large text.
+_YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def refuse_yaml_expansion(yaml_text: str) -> None:
+    """Raise `Unprocessable` if `yaml_text` uses anchors, aliases or merge keys.
+
+    A few hundred bytes of aliases expand to millions of entries when the YAML is built
+    (a "billion laughs"); a job config never needs them. Only the token stream is read
+    (linear in the text, nothing is built), so the refusal is immediate; a syntax error
+    is left to the validator, which names its position.
+    """
+    found: dict[str, str] = {}
+    previous: Any = None
+    try:
+        for token in yaml.scan(yaml_text, Loader=_YAML_LOADER):
+            if isinstance(token, yaml.AnchorToken):
+                found.setdefault("anchors", f"&{token.value}")
+            elif isinstance(token, yaml.AliasToken):
+                found.setdefault("aliases", f"*{token.value}")
+            elif (isinstance(token, yaml.ScalarToken) and token.plain and token.value == "<<"
+                  and isinstance(previous, yaml.KeyToken)):
+                found.setdefault("merge keys", "<<")
+            previous = token
+    except yaml.YAMLError:
+        pass  # what was scanned before the error still counts
+    if found:
+        named = ", ".join(f"{kind} ({example})" for kind, example in found.items())
+        raise Unprocessable(
+            [{"loc": ["yaml"], "msg": f"YAML {named} are not accepted in a job config: they "
+              "can expand a small text into a huge one", "type": "value_error"}],
+            "write every value out in full (AgentJetJob(...).to_yaml() does); nothing was "
+            "changed (the previous config stays)")
+
+
+def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None,
+                      engine_user: EngineUser | None = None) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
     Raises `Unprocessable` naming each bad field, or saying why the validator failed.
+    YAML anchors, aliases and merge keys are refused first (`refuse_yaml_expansion`).
     """
+    refuse_yaml_expansion(yaml_text)
     cmd = [settings.engine_python, "-m", "ajet.copilot.validate"]
     # cwd is sys.path[0] under -m: the snapshot itself, or the workdir (no ajet/ inside)
     cwd = base_dir if base_dir is not None else settings.workdir
     try:
         proc = subprocess.run(
             cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
-            env=snapshot_env(base_dir), timeout=settings.config_validate_timeout_s, check=False,
+            env=engine_env(settings, base_dir, user=engine_user),
+            timeout=settings.config_validate_timeout_s, check=False,
+            **(engine_user.popen_kwargs() if engine_user is not None else {}),
         )
     except subprocess.TimeoutExpired as exc:
         raise Unprocessable(
@@ -72,9 +119,19 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     except OSError as exc:
         raise Unprocessable(f"cannot run the job validator ({cmd[0]}): {exc}",
                             "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
-    stderr_tail = proc.stderr.decode("utf-8", errors="replace").strip().splitlines()[-15:]
+    # Bounded and redacted: this reaches the control caller in the 422.
+    # (A cut first line could hold part of a token, so it goes.)
+    stderr_lines = redact_secrets(proc.stderr[-_STDERR_TAIL_BYTES:].decode(
+        "utf-8", errors="replace"), settings.secret_values()).strip().splitlines()
+    if len(proc.stderr) > _STDERR_TAIL_BYTES:
+        stderr_lines = stderr_lines[1:]
+    stderr_tail = [line[:_STDERR_LINE_CHARS] for line in stderr_lines[-_STDERR_TAIL_LINES:]]
     try:
-        result = json.loads(proc.stdout)
+        if len(proc.stdout) > _MAX_RESULT_BYTES:
+            raise ValueError(f"a result of {len(proc.stdout)} bytes")
+        # every string of the result reaches a caller (the 422, the stored config): a
+        # token the validator's code came by is redacted there too
+        result = _redacted(json.loads(proc.stdout), settings.secret_values())
         if not isinstance(result, dict) or "ok" not in result:
             raise ValueError("not a validator result")
     except ValueError as exc:
@@ -116,6 +173,17 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                for n in result.get("notes") or [] if isinstance(n, dict)],
         memory=memory if isinstance(memory, dict) else None,
     )
+
+
+def _redacted(value: Any, secrets: list[str]) -> Any:
+    """`value` (parsed JSON) with every configured secret redacted from its strings."""
+    if isinstance(value, str):
+        return redact_secrets(value, secrets)
+    if isinstance(value, list):
+        return [_redacted(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {redact_secrets(str(k), secrets): _redacted(v, secrets) for k, v in value.items()}
+    return value
 
 
 def _error(raw: Any) -> dict[str, Any]:

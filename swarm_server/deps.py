@@ -17,6 +17,7 @@ from starlette.requests import cookie_parser
 from swarm_server.auth import (
     ApproverRequirement,
     ControlRequirement,
+    IndexRequirement,
     ReaderRequirement,
     Requirement,
     ReviewerRequirement,
@@ -26,7 +27,7 @@ from swarm_server.context import ServerContext
 from swarm_server.ui.sessions import COOKIE, ConsoleSession
 
 __all__ = ["ApproverAuth", "ConsoleAuth", "ConsoleRequirement", "ControlAuth", "Ctx",
-           "ReaderAuth", "ReviewerAuth", "WorkerAuth", "get_ctx"]
+           "IndexAuth", "ReaderAuth", "ReviewerAuth", "WorkerAuth", "get_ctx"]
 
 
 # `async def` although it does no I/O: FastAPI runs plain `def` dependencies in its thread
@@ -70,5 +71,7 @@ WorkerAuth = ReaderAuth
 ApproverAuth = Annotated[str, Depends(ApproverRequirement())]
 #: Code to review (the server's own ajet/ manifest and files): control token or approver.
 ReviewerAuth = Annotated[str, Depends(ReviewerRequirement())]
+#: The server's index: a reader token or an episode key (`auth.IndexRequirement`).
+IndexAuth = Annotated[str, Depends(IndexRequirement())]
 #: A web console page (see `ConsoleRequirement`).
 ConsoleAuth = Annotated[ConsoleSession, Depends(ConsoleRequirement())]

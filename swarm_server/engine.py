@@ -11,8 +11,10 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
 - Every start is a run in the ledger. Two threads watch a run: one blocks on the process
   exit (a crash is noticed at once), one polls `GET /status` on the engine's socket
   every `settings.status_poll_s` and moves BOOTING -> the reported state, after checking
-  the engine runs the active snapshot's code. Any exit ends in OFFLINE with the run
-  finalised; an exit nobody asked for also sets `last_error` with the log tail.
+  the engine runs the active snapshot's code (every rank's content id, not its path).
+  Any exit ends in OFFLINE with the run finalised; an exit nobody asked for also sets
+  `last_error` with the log tail, and the engine's own `failure.json` (which rank
+  failed, with which exception) in its reason and its traceback ahead of the tail.
 - Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
 - A single-process start takes the warm standby when one is ready: an interpreter with
   torch and transformers imported that becomes the engine (`standby_keeper`); the
@@ -44,8 +46,10 @@ from typing import TypeVar
 import yaml
 
 from ajet.protocol import (
+    ENGINE_FAILURE_FILE,
     SERVER_CODE,
     ConfigAccepted,
+    EngineFailure,
     EngineReport,
     EngineState,
     EngineStatus,
@@ -55,8 +59,16 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.errors import ApiError, EngineStateError
+from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
-from swarm_server.run_files import read_log_lines, read_metrics, summarize
+from swarm_server.run_files import (
+    read_log_lines,
+    read_metrics,
+    read_trackers,
+    redact_secrets,
+    summarize,
+)
+from swarm_server.run_info import write_run_info
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -69,7 +81,7 @@ from swarm_server.supervisor import (
     SocketProbe,
     Spawner,
     SpawnSpec,
-    snapshot_env,
+    engine_env,
     stop_group,
 )
 
@@ -98,6 +110,8 @@ LOG_TAIL_LINES = 50
 _MAX_SOCKET_PATH = 100
 #: How long a stop waits for the exit thread to finalise the run after the group is gone.
 _FINISH_WAIT_S = 30.0
+#: The most of `<run_dir>/failure.json` read (the engine bounds it well below this).
+_FAILURE_FILE_BYTES = 256 * 1024
 
 
 def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path,
@@ -145,6 +159,8 @@ class _Run:
     run_dir: Path
     snapshot_base: Path | None
     boot_deadline: float  # time.monotonic() by which the engine must serve
+    #: the active snapshot's id when the run started (None: the server's own code)
+    snapshot_id: str | None = None
     socket_path: Path | None = None
     socket_tmpdir: Path | None = None
     handle: ProcessHandle | None = None
@@ -161,18 +177,21 @@ class EngineController:
 
     def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
                  spawner: Spawner | None = None, probe: ProbeFactory | None = None,
-                 approvals: Approvals | None = None) -> None:
+                 approvals: Approvals | None = None,
+                 engine_user: EngineUser | None = None) -> None:
         self.settings = settings
+        self.engine_user = engine_user  # --engine-user: every engine process runs as it
         self.ledger = ledger
         self.snapshots = snapshots
         self.approvals = approvals or Approvals(settings, ledger, snapshots,
                                                 ServerCode(_installed_ajet_dir()))
-        self.spawner: Spawner = spawner or PosixSpawner()
+        self.spawner: Spawner = spawner or PosixSpawner(as_user=engine_user)
         self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
         # The warm standby for the next start (real processes only). Built even with
         # settings.warm_standby off, so that recover() stops one an earlier server left.
         self._standby: StandbyKeeper | None = (
-            StandbyKeeper(settings, ledger, self.spawner) if spawner is None else None)
+            StandbyKeeper(settings, ledger, self.spawner, engine_user=engine_user)
+            if spawner is None else None)
         self._lock = threading.RLock()  # guards the fields below; held only briefly
         self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
         self._state = EngineState.OFFLINE
@@ -228,7 +247,10 @@ class EngineController:
             snapshot_path=snapshot.path if snapshot else None,
             pid=pid,
             step=report.step if report else None,
-            ajet_file=report.ajet_file if report else None,
+            # engine-written text a caller reads: a token in it is redacted
+            ajet_file=redact_secrets(report.ajet_file, self.settings.secret_values())
+            if report else None,
+            trackers=read_trackers(run.run_dir) if run else {},
             has_config=bool(yaml_text),
             experiment_name=self._experiment_name(yaml_text) if yaml_text else None,
             last_error=last_error,
@@ -294,7 +316,8 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
-                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base)
+                checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
+                                            engine_user=self.engine_user)
             except ApiError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -460,7 +483,8 @@ class EngineController:
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
         run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
-                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s)
+                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s,
+                   snapshot_id=snapshot.id if snapshot else None)
         with self._lock:
             # OFFLINE -> BOOTING: the compare-and-set that makes concurrent starts safe
             self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
@@ -476,6 +500,9 @@ class EngineController:
         try:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
+            write_run_info(run.run_dir, snapshot=snapshot,
+                           approval=self.approvals.state(snapshot.id if snapshot else SERVER_CODE),
+                           mlflow_tracking_uri=self.settings.mlflow_uri())
             run.socket_path, run.socket_tmpdir = _socket_path(run.run_dir, run_id)
             log_path = run.run_dir / "engine.log"
             if base is not None:
@@ -484,10 +511,15 @@ class EngineController:
                 log.info("%s", line)
                 with open(log_path, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
+            if self.engine_user is not None:  # the engine writes there as its own user
+                self.engine_user.share_run_dir(run.run_dir)
+                if run.socket_tmpdir is not None:
+                    self.engine_user.share(run.socket_tmpdir, 0o770)
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=_job_dict(yaml_text)),
-                cwd=run.run_dir, env=snapshot_env(base), log_path=log_path,
+                cwd=run.run_dir, env=engine_env(self.settings, base, user=self.engine_user),
+                log_path=log_path,
             )
             handle = self._standby.take(spec) if self._standby is not None else None
             warm = handle is not None
@@ -580,13 +612,27 @@ class EngineController:
             self._replenish_standby()  # now, not while the engine boots: 2 cores are few
 
     def _code_problem(self, run: _Run, report: EngineReport) -> str | None:
-        """Why the engine does not run the active snapshot's code, or None if it does."""
-        if run.snapshot_base is None:
+        """Why the engine does not run the active snapshot's code, or None if it does.
+
+        Every rank reports the content id of the ajet/ tree it imported; each must be
+        the active snapshot's id, wherever that node keeps its copy. Code from before
+        content ids reports none: then rank 0's node is checked by path.
+        """
+        if run.snapshot_base is None or run.snapshot_id is None:
             return None
-        for path in [report.ajet_file, *report.ranks_ajet_files]:
-            if not is_inside(Path(path), run.snapshot_base):
-                return (f"the engine imported ajet from {path}, not from the active snapshot "
-                        f"{run.snapshot_base}; refusing to train on stale code")
+        if report.snapshot_id is None:
+            for path in [report.ajet_file, *report.ranks_ajet_files]:
+                if not is_inside(Path(path), run.snapshot_base):
+                    return (f"the engine imported ajet from {path}, not from the active "
+                            f"snapshot {run.snapshot_base}; refusing to train on stale code")
+            return None
+        for rank, ident in enumerate(report.ranks_snapshot_ids or [report.snapshot_id]):
+            if ident != run.snapshot_id:
+                files = report.ranks_ajet_files
+                where = files[rank] if rank < len(files) else report.ajet_file
+                return (f"rank {rank} imported ajet {(ident or 'of unknown content')[:12]} "
+                        f"from {where}, not from the active snapshot {run.snapshot_id[:12]}; "
+                        "refusing to train on stale code (sync the same code to every node)")
         return None
 
     def _fail(self, run: _Run, handle: ProcessHandle, reason: str) -> None:
@@ -601,8 +647,15 @@ class EngineController:
     def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
                 ) -> None:
         """Finalise a run once: OFFLINE, ledger row closed, `last_error` on a fault."""
+        if self.engine_user is not None and not run.finished:
+            # what escaped the process group goes too, before the folder is sealed
+            standby = self._standby.pid if self._standby is not None else None
+            self.engine_user.stop_strays(keep={standby} if standby else set())
+            if run.run_dir.is_dir():
+                self.engine_user.seal_run_dir(run.run_dir)
         points = read_metrics(run.run_dir / "metrics.jsonl")
-        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES)
+        tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
+                                    redact=self.settings.secret_values())
         with self._lock:
             if run.finished:
                 return
@@ -619,6 +672,11 @@ class EngineController:
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
                                         f"{final_state}")
+                failure = _engine_failure(run.run_dir)
+                if failure is not None:  # its own word on which rank failed, and how
+                    reason += f": {failure.describe()}"
+                    tail = [f"[rank {failure.rank}] {line}" for line in failure.traceback
+                            ] + ["..."] + tail
             if failed:
                 self._last_error = LastError(run_id=run.run_id, exit_code=exit_code,
                                              reason=reason, log_tail=tail, at=time.time())
@@ -688,6 +746,19 @@ def _describe_exit(code: int | None) -> str:
         return f"was killed by {name} (exit code {code})"
     return f"exited with code {code}"
 
+
+
+def _engine_failure(run_dir: Path) -> EngineFailure | None:
+    """The engine's record of its first failure (`<run_dir>/failure.json`), if any."""
+    path = run_dir / ENGINE_FAILURE_FILE
+    try:
+        with open(path, "rb") as f:
+            return EngineFailure.model_validate_json(f.read(_FAILURE_FILE_BYTES))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:  # a torn or foreign file: the exit code stands alone
+        log.warning("could not read %s: %s", path, exc)
+        return None
 
 
 def _installed_ajet_dir() -> Path:

@@ -17,7 +17,8 @@ validated and serialised the answer. The lane does the same work for the routes
 - it reads the body through that gate and parses it as FastAPI does (JSON only under a
   JSON content type, the route's pydantic type, the same 422 body), calls the route's
   handler function, and renders the result, an `ApiError` or a refusal of the gate as
-  the app's error handlers do (`errors.error_response`, OpenAI-shaped under `/v1/`).
+  the app's error handlers do (`errors.error_response`, OpenAI-shaped under `/v1/`,
+  Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
 which serves these same routes through the same handler functions. The lane sits
@@ -74,6 +75,7 @@ class LaneRoute:
     body: TypeAdapter[Any] | None = None
     required: bool = True
     openai: bool = False
+    anthropic: bool = False
 
 
 class EpisodeLane:
@@ -114,9 +116,9 @@ class EpisodeLane:
         except _Invalid as exc:
             response = validation_error_response(exc.errors)
         except EarlyRefusal as exc:  # the limits gate refused the body
-            response = error_response(exc.error, openai=exc.openai)
+            response = error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
         except ApiError as exc:
-            response = error_response(exc, openai=lane.openai)
+            response = error_response(exc, openai=lane.openai, anthropic=lane.anthropic)
         await response(scope, receive, send)
 
 

@@ -8,8 +8,9 @@ the engine serves (docs/internals.md, "Episode plane (server side)"):
 - `check_key` verifies a key and looks the episode up **by id in that table** (nothing
   else in the key is trusted), refusing unknown, foreign-run and ended episodes with
   401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read;
-- `openai` (every `/v1/*` route: chat, completions, responses, models) forwards the
-  request with `X-Episode-UUID`, streaming the answer back unchanged;
+- `openai` (every `/v1/*` route: chat, completions, responses, models, and Anthropic's
+  messages and count_tokens) forwards the request with `X-Episode-UUID`, streaming the
+  answer back unchanged;
 - `end` / `abort` forward and mark the episode ended, so its key stops working. `end`
   first refuses (422) a reward or `log_metrics` value that is not finite or is beyond
   `max_reward_magnitude` / `max_metric_magnitude`: one reward of 1e308 used to overflow
@@ -142,9 +143,10 @@ class EpisodeGateway:
             run_id=run_id, expires_at=expires_at, last_active=time.monotonic(),
             timeout_s=float(timeout_s) if timeout_s else self.settings.episode_key_ttl_s,
             step=self._step())
+        root = public_base_url.rstrip("/")
         return BeginEpisodeResponse(
-            episode_uuid=episode_uuid, openai_base_url=f"{public_base_url.rstrip('/')}/v1",
-            openai_api_key=key, run_id=run_id, timeout_s=data.get("timeout_s"))
+            episode_uuid=episode_uuid, openai_base_url=f"{root}/v1", openai_api_key=key,
+            anthropic_base_url=root, run_id=run_id, timeout_s=data.get("timeout_s"))
 
     async def end(self, body: EndEpisodeRequest) -> EndEpisodeResponse:
         self._check_values(body)
@@ -206,6 +208,12 @@ class EpisodeGateway:
         detail, _, _ = _error_parts(content)
         if reply.status == 404 and path.startswith("/v1/models/"):
             raise self._relay(reply, content)  # an unknown model name
+        if reply.status == 404 and detail == "Not Found":
+            # the engine runs code that has no such route (an older snapshot); the
+            # episode itself is fine
+            raise NotFound(f"the engine's code does not serve {path} (its snapshot predates "
+                           "it)", "sync the current ajet/ and restart the engine, or use "
+                           "another API of the episode plane")
         if reply.status in (404, 409):  # the episode closed in the engine
             entry.ended = True
             raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",

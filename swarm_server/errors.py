@@ -12,6 +12,9 @@
     ├── Unprocessable       422  (validation: `detail` names the fields)
     └── HeadersTooLarge     431
 
+`StartupRefused` is no HTTP error: the server refuses to start (an unreadable ledger, an
+engine user that cannot run the engine); `ajet-swarm start` prints it and exits 2.
+
 `EarlyRefusal` carries an `ApiError` out of an ASGI `receive` (`swarm_server.limits`):
 FastAPI passes an HTTPException met while reading a body through unchanged and turns
 anything else into a generic 400, so the refusal travels as one and is rendered here
@@ -22,7 +25,9 @@ traceback; tests treat any 5xx as a bug.
 
 The OpenAI-compatible routes (`/v1/*`) answer the same errors in OpenAI's shape as well
 (`openai_error_body`): `{"error": {"message", "type", "param", "code"}}`, the hint kept in
-the message, next to `detail` and `hint`.
+the message, next to `detail` and `hint`. Anthropic's Messages routes (`/v1/messages`,
+`/v1/messages/...`) answer in Anthropic's (`anthropic_error_body`): `{"type": "error",
+"error": {"type", "message"}}`, likewise next to `detail`, `hint` and `param`.
 """
 
 from __future__ import annotations
@@ -47,10 +52,14 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "RequestTimeout",
+    "StartupRefused",
     "Unauthorized",
     "Unprocessable",
+    "anthropic_error_body",
+    "error_body",
     "error_response",
     "install_error_handlers",
+    "is_anthropic_path",
     "openai_error_body",
     "validation_error_response",
 ]
@@ -88,6 +97,28 @@ def openai_error_body(status: int, detail: Any, hint: str = "", *, param: str | 
                       "type": _OPENAI_TYPES.get(status, "api_error" if status >= 500
                                                 else "invalid_request_error"),
                       "param": param, "code": status}}
+
+
+#: Anthropic's `error.type` per status (its SDK raises by status; the type is for logs).
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(status: int, detail: Any, hint: str = "", *,
+                         param: str | None = None) -> dict[str, Any]:
+    """`{"detail", "hint", "param"}` plus Anthropic's error, for the Messages routes."""
+    text = detail if isinstance(detail, str) else _detail_text(detail)
+    return {"type": "error",
+            "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500
+                                                   else "invalid_request_error"),
+                      "message": f"{text} (hint: {hint})" if hint else text},
+            "detail": detail, "hint": hint, "param": param}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """The Messages routes, whose errors are Anthropic-shaped."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _detail_text(detail: Any) -> str:
@@ -142,20 +173,37 @@ class HeadersTooLarge(ApiError):
     status = 431
 
 
+class StartupRefused(Exception):
+    """The server cannot start safely; the message says why and what to do."""
+
+
 class EarlyRefusal(StarletteHTTPException):
     """An `ApiError` raised from inside `receive`; see the module docstring."""
 
-    def __init__(self, error: ApiError, *, openai: bool = False) -> None:
+    def __init__(self, error: ApiError, *, openai: bool = False, anthropic: bool = False
+                 ) -> None:
         super().__init__(error.status, detail=str(error.detail), headers=error.headers)
         self.error = error
         self.openai = openai
+        self.anthropic = anthropic
 
 
-def error_response(exc: ApiError, *, openai: bool = False) -> JSONResponse:
-    """The response for `exc`: `{"detail", "hint"}`, OpenAI-shaped as well with `openai`."""
-    body = (openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param) if openai
-            else {"detail": exc.detail, "hint": exc.hint})
-    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
+def error_body(exc: ApiError, *, openai: bool = False, anthropic: bool = False
+               ) -> dict[str, Any]:
+    """`{"detail", "hint"}`, OpenAI-shaped as well with `openai`, Anthropic's with
+    `anthropic`."""
+    if anthropic:
+        return anthropic_error_body(exc.status, exc.detail, exc.hint, param=exc.param)
+    if openai:
+        return openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param)
+    return {"detail": exc.detail, "hint": exc.hint}
+
+
+def error_response(exc: ApiError, *, openai: bool = False, anthropic: bool = False
+                   ) -> JSONResponse:
+    """The response for `exc`, its body shaped as `error_body` says."""
+    return JSONResponse(error_body(exc, openai=openai, anthropic=anthropic),
+                        status_code=exc.status, headers=exc.headers)
 
 
 def validation_error_response(errors: Sequence[Mapping[str, Any]]) -> JSONResponse:
@@ -181,7 +229,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if isinstance(exc, EarlyRefusal):
-            return error_response(exc.error, openai=exc.openai)
+            return error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
         hint = "see /docs for the routes" if exc.status_code in (404, 405) else ""
         return JSONResponse({"detail": exc.detail, "hint": hint}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))

@@ -18,7 +18,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ApprovalRecord", "AuditRecord", "Ledger", "RunRecord", "SnapshotRecord"]
+from swarm_server.errors import StartupRefused
+
+__all__ = ["ApprovalRecord", "AuditRecord", "Ledger", "LedgerUnusable", "RunRecord",
+           "SnapshotRecord", "check_ledger_file", "set_ledger_aside"]
+
+#: The first 16 bytes of every SQLite 3 database file.
+_SQLITE_HEADER = b"SQLite format 3\x00"
+_SIDE_FILES = ("-wal", "-shm", "-journal")
 
 _MIGRATIONS: list[str] = [
     # 0 -> 1: initial schema
@@ -139,6 +146,65 @@ class AuditRecord:
 
 
 _RUN_COLUMNS = {f for f in RunRecord.__dataclass_fields__ if f != "summary"} | {"summary_json"}
+
+
+class LedgerUnusable(StartupRefused):
+    """The ledger file exists but cannot be used: empty, truncated, damaged, unreadable."""
+
+
+_WHAT_TO_DO = ("restore it from a backup, or start with --new-ledger to set it aside and "
+               "begin a fresh ledger (its history of runs, approvals and the audit log is "
+               "then gone from this server)")
+
+
+def check_ledger_file(path: Path) -> None:
+    """Raise `LedgerUnusable`, naming `path`, unless it is absent or a sound ledger.
+
+    An empty or damaged ledger must never read as "no history yet": approvals, denials
+    and the audit log live there, so a fresh start is only ever asked for explicitly.
+    """
+    try:
+        if not path.exists():
+            return
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(len(_SQLITE_HEADER))
+    except OSError as exc:
+        raise LedgerUnusable(f"the ledger {path} cannot be read ({exc.strerror}); "
+                             f"{_WHAT_TO_DO}") from exc
+    if size == 0:
+        raise LedgerUnusable(f"the ledger {path} is empty (0 bytes): its history is gone; "
+                             f"{_WHAT_TO_DO}")
+    if header != _SQLITE_HEADER:
+        raise LedgerUnusable(f"the ledger {path} is not a SQLite database (truncated or "
+                             f"overwritten); {_WHAT_TO_DO}")
+    try:
+        # read-write (never create): a read-only connection cannot recover a WAL a
+        # crashed server left without its shared-memory file
+        db = sqlite3.connect(f"file:{path}?mode=rw", uri=True)
+        try:
+            check = db.execute("PRAGMA quick_check").fetchone()[0]
+            version = int(db.execute("PRAGMA user_version").fetchone()[0])
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise LedgerUnusable(f"the ledger {path} is damaged ({exc}); {_WHAT_TO_DO}") from exc
+    if check != "ok":
+        raise LedgerUnusable(f"the ledger {path} is damaged ({check}); {_WHAT_TO_DO}")
+    if version == 0 or version > len(_MIGRATIONS):
+        raise LedgerUnusable(f"the ledger {path} has schema version {version}, which this "
+                             f"server does not know (0 means no ledger was ever written "
+                             f"there); {_WHAT_TO_DO}")
+
+
+def set_ledger_aside(path: Path) -> Path:
+    """Move an unusable ledger (and its side files) aside for `--new-ledger`; the new name."""
+    aside = path.with_name(f"{path.name}.unusable-{time.strftime('%Y%m%d-%H%M%S')}")
+    for suffix in ("", *_SIDE_FILES):
+        old = path.with_name(path.name + suffix)
+        if old.exists():
+            old.rename(aside.with_name(aside.name + suffix))
+    return aside
 
 
 class Ledger:

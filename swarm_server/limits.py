@@ -11,7 +11,8 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
    session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
    `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
-   (`EpisodeGateway.check_key`), everywhere else a token `auth.authenticate` accepts
+   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`), at
+   `INDEX_PATH` (`/`) that or a reader token, everywhere else a token `auth.authenticate` accepts
    (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
    caller gets nothing parsed, buffered or routed.
 
@@ -29,21 +30,33 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    as soon as it passes. `STREAMED_BODY` routes (the two uploads) stream to disk under
    their own caps instead.
 5. **JSON encoding and depth** (400), on the buffered body, before any parser: a body
-   that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`.
+   that is not UTF-8 (RFC 8259) or nests deeper than `max_json_depth`, or one that holds
+   what cannot be stored or sent back (`unencodable_field`): a lone surrogate escape
+   (`"\\ud800"`, no text in any encoding) or `NaN` / `Infinity` (no JSON at all, though
+   Python's parser takes them): a 422 naming the field, as validation would.
 6. **Body idle timeout** (`request_body_timeout_s`). A client that stops sending in the
    middle of a body gets 408; on a streamed route the stall reads as a disconnect, so
    the route refuses the upload and removes its temp files.
 
+**Anonymous bodies** (a route that declares no requirement: the console's sign-in, the
+only one; any other body sent to an open path): each `AnonymousGate` the route declares
+decides from the headers first (the sign-in's origin check and throttle), so a refused
+caller never gets `100 Continue`, which the server sends only when the body is first
+read; then the body is bounded to `ANONYMOUS_BODY_BYTES` and must arrive whole within
+`header_timeout_s` of its first read, so a trickle cannot hold a connection open.
+
 The first gate answers itself. The second raises `errors.EarlyRefusal` out of
 `receive`, which FastAPI passes through from its body reading (anything else would
 become a generic 400), and the app's error handler renders it. Refusals are
-`{"detail", "hint"}` bodies like every other error, OpenAI-shaped under `/v1/`;
+`{"detail", "hint"}` bodies like every other error, OpenAI-shaped under `/v1/` and
+Anthropic-shaped on the Messages routes (`/v1/messages...`);
 `LIMIT_RESPONSES` documents them on every operation of the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import operator
 import re
 from collections.abc import Callable
@@ -55,7 +68,13 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
-from swarm_server.auth import ControlRequirement, Requirement, authenticate, bearer_token
+from swarm_server.auth import (
+    ControlRequirement,
+    IndexRequirement,
+    Requirement,
+    authenticate,
+    episode_key,
+)
 from swarm_server.errors import (
     ApiError,
     BadRequest,
@@ -63,21 +82,28 @@ from swarm_server.errors import (
     HeadersTooLarge,
     PayloadTooLarge,
     RequestTimeout,
-    openai_error_body,
+    Unprocessable,
+    error_body,
+    is_anthropic_path,
 )
 
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
 
-__all__ = ["CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES", "OPEN_PATHS", "STREAMED_BODY",
-           "BodyLimit", "LimitsMiddleware", "json_too_deep"]
+__all__ = ["ANONYMOUS_BODY_BYTES", "CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES",
+           "OPEN_PATHS", "STREAMED_BODY", "AnonymousGate", "BodyLimit", "LimitsMiddleware",
+           "json_too_deep", "unencodable_field"]
 
 #: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
 #: The OpenAI-compatible episode plane: a signed episode key, never a bearer token.
 EPISODE_PREFIX = "/v1/"
+#: The server's index: a reader token or an episode key (`auth.IndexRequirement`).
+INDEX_PATH = "/"
 #: The web console: cookie sessions, checked by `deps.ConsoleAuth` in its routes.
 CONSOLE_PREFIX = "/ui"
+#: The most of a body read from a caller no credential admitted yet (the sign-in form).
+ANONYMOUS_BODY_BYTES = 4096
 
 #: The refusals of this middleware, for the OpenAPI schema of every operation (a route's
 #: own description of the same status wins).
@@ -95,6 +121,68 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _OPENERS = re.compile(rb"[\[{]")
 _FAIL_CLOSED = ControlRequirement()
+
+
+#: A `\\u` escape of a surrogate (D800-DFFF): only these can make a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_NON_JSON_NUMBERS = (b"NaN", b"Infinity")
+
+
+class _Constant:
+    """What the parser met in place of a number JSON forbids."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def unencodable_field(body: bytes) -> tuple[list[str], str] | None:
+    """(field path, what is wrong) for the first value that no JSON encoder or UTF-8 store
+    takes back: a string or key with a lone surrogate, or `NaN` / `Infinity`. None when
+    there is none, or when the body is no JSON at all (the route's parser says so).
+
+    The full parse runs only when the bytes could hold one (a surrogate escape, the
+    words NaN or Infinity), so ordinary bodies cost one scan.
+    """
+    if not _SURROGATE_ESCAPE.search(body) and not any(w in body for w in _NON_JSON_NUMBERS):
+        return None
+    try:
+        value = json.loads(body, parse_constant=_Constant)
+    except ValueError:
+        return None
+    return _find_unencodable(value, [])
+
+
+def _find_unencodable(value: Any, path: list[str]) -> tuple[list[str], str] | None:
+    stack: list[tuple[Any, list[str]]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, _Constant):
+            return where, f"{item.text} is not a JSON number"
+        if isinstance(item, str):
+            if _has_surrogate(item):
+                return where, "a lone surrogate (\\ud800-\\udfff) is no text"
+        elif isinstance(item, dict):
+            for key, child in reversed(list(item.items())):
+                if _has_surrogate(key):
+                    return [*where, key.encode("utf-8", "backslashreplace").decode()], \
+                        "a key with a lone surrogate is no text"
+                stack.append((child, [*where, key]))
+        elif isinstance(item, list):
+            stack.extend((child, [*where, str(i)]) for i, child in reversed(list(
+                enumerate(item))))
+    return None
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _path(parts: list[str]) -> str:
+    return ".".join(parts) or "(body)"
 
 
 def json_too_deep(body: bytes, limit: int) -> bool:
@@ -141,6 +229,18 @@ class BodyLimit:
         return None
 
 
+class AnonymousGate:
+    """A route's check of an anonymous request from its headers (and client address),
+    declared as a dependency like `BodyLimit`; the middleware calls `admit` before the
+    body is read. Raise an `ApiError` to refuse."""
+
+    def admit(self, scope: Scope) -> None:
+        raise NotImplementedError
+
+    async def __call__(self) -> None:  # a declaration: FastAPI has nothing to do
+        return None
+
+
 #: The upload routes: they stream their body to disk and enforce their own caps.
 STREAMED_BODY = BodyLimit(streamed=True)
 _DEFAULT_BODY = BodyLimit()
@@ -150,19 +250,24 @@ _DEFAULT_BODY = BodyLimit()
 class _RouteRules:
     requirements: tuple[Requirement, ...]
     body: BodyLimit
+    gates: tuple[AnonymousGate, ...] = ()
 
 
 @dataclass(frozen=True)
 class _Refusal:
     error: ApiError
     openai: bool = False
+    anthropic: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        error = self.error
-        body = (openai_error_body(error.status, error.detail, error.hint, param=error.param)
-                if self.openai else {"detail": error.detail, "hint": error.hint})
+        body = error_body(self.error, openai=self.openai, anthropic=self.anthropic)
         response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
         await response(scope, receive, send)
+
+
+def _shapes(path: str) -> dict[str, bool]:
+    """How a refusal on `path` is shaped: OpenAI's under `/v1/`, Anthropic's on Messages."""
+    return {"openai": path.startswith(EPISODE_PREFIX), "anthropic": is_anthropic_path(path)}
 
 
 class LimitsMiddleware:
@@ -206,11 +311,13 @@ class LimitsMiddleware:
         headers = Headers(scope=scope)
         try:
             if path.startswith(EPISODE_PREFIX):
-                self.ctx.episodes.check_key(bearer_token(headers.get("authorization")))
+                self.ctx.episodes.check_key(episode_key(headers))
+            elif path == INDEX_PATH:
+                IndexRequirement().check(scope["app"].state, headers)
             else:
                 authenticate(self.settings, headers)
         except ApiError as exc:
-            return _Refusal(exc, openai=path.startswith(EPISODE_PREFIX))
+            return _Refusal(exc, **_shapes(path))
         return None
 
     # ------------------------------------------------------------------ second gate
@@ -223,9 +330,18 @@ class LimitsMiddleware:
             if state["first"]:
                 state["first"] = False
                 rules = self._rules_for(scope)
-                openai = scope["path"].startswith(EPISODE_PREFIX)
                 try:
-                    self._check_requirements(scope, rules)
+                    anonymous = self._check_requirements(scope, rules)
+                    if anonymous:
+                        for gate in rules.gates:
+                            gate.admit(scope)
+                        body = await asyncio.wait_for(
+                            self._read_body(scope, receive, rules.body, anonymous=True),
+                            self.settings.header_timeout_s)
+                        if body is None:
+                            return {"type": "http.disconnect"}
+                        self._check_json(body)
+                        return {"type": "http.request", "body": body, "more_body": False}
                     if rules.body.streamed:
                         state["stream"] = self._idle_limited(receive)
                     else:
@@ -235,7 +351,13 @@ class LimitsMiddleware:
                         self._check_json(body)
                         return {"type": "http.request", "body": body, "more_body": False}
                 except ApiError as exc:
-                    raise EarlyRefusal(exc, openai=openai) from None
+                    raise EarlyRefusal(exc, **_shapes(scope["path"])) from None
+                except asyncio.TimeoutError:
+                    wait = self.settings.header_timeout_s
+                    raise EarlyRefusal(RequestTimeout(
+                        f"the body did not arrive within {wait:g} s",
+                        "send the whole form at once", headers={"Connection": "close"}),
+                        **_shapes(scope["path"])) from None
             if state["stream"] is not None:
                 message: Message = await state["stream"]()
                 return message
@@ -251,27 +373,35 @@ class LimitsMiddleware:
         if rules is None:
             requirements: list[Requirement] = []
             bodies: list[BodyLimit] = []
-            _collect(getattr(route, "dependant", None), requirements, bodies)
+            gates: list[AnonymousGate] = []
+            _collect(getattr(route, "dependant", None), requirements, bodies, gates)
             rules = _RouteRules(tuple(dict.fromkeys(requirements)),
-                                bodies[0] if bodies else _DEFAULT_BODY)
+                                bodies[0] if bodies else _DEFAULT_BODY, tuple(gates))
             self._rules[id(route)] = rules
         return rules
 
-    def _check_requirements(self, scope: Scope, rules: _RouteRules) -> None:
+    def _check_requirements(self, scope: Scope, rules: _RouteRules) -> bool:
+        """Check the route's requirements; True when the caller is anonymous (no
+        requirement applies: the console's sign-in, an open path)."""
         requirements = rules.requirements
         if not requirements:
             path = scope["path"]
-            if path.startswith(EPISODE_PREFIX) or _is_console(path):
-                return  # the episode key was checked at the first gate; sign-in is open
+            if path.startswith(EPISODE_PREFIX):
+                return False  # the episode key was checked at the first gate
+            if _is_console(path) or path in OPEN_PATHS:
+                return True  # sign-in is open: its body is read as an anonymous one
             requirements = (_FAIL_CLOSED,)
         headers = Headers(scope=scope)
         for requirement in requirements:
             requirement.check(scope["app"].state, headers)
+        return False
 
-    async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit
-                         ) -> bytes | None:
+    async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit, *,
+                         anonymous: bool = False) -> bytes | None:
         """The whole body under the route's bound; None if the client went away."""
         limit = rule.bound(self.ctx) if rule.bound is not None else self.settings.max_json_bytes
+        if anonymous:
+            limit = min(limit, ANONYMOUS_BODY_BYTES)
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit, rule.knob)
@@ -296,6 +426,14 @@ class LimitsMiddleware:
         if body and json_too_deep(body, self.settings.max_json_depth):
             raise BadRequest(f"JSON nested deeper than {self.settings.max_json_depth} levels",
                              "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
+        bad = unencodable_field(body) if body else None
+        if bad is not None:
+            parts, why = bad
+            field = _path(parts)
+            raise Unprocessable(
+                [{"loc": ["body", *parts], "msg": f"field {field}: {why}", "type": "value_error"}],
+                "send text as valid Unicode and numbers as finite JSON numbers (null where "
+                "there is none)", param=field)
 
     async def _next(self, receive: Receive) -> Message:
         wait = self.settings.request_body_timeout_s
@@ -326,8 +464,10 @@ class LimitsMiddleware:
         return wrapped
 
 
-def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit]) -> None:
-    """The `Requirement`s and `BodyLimit`s among a route's dependencies, nested ones too."""
+def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit],
+             gates: list[AnonymousGate]) -> None:
+    """The `Requirement`s, `BodyLimit`s and `AnonymousGate`s among a route's dependencies,
+    nested ones too."""
     if dependant is None:
         return
     for dep in dependant.dependencies:
@@ -335,7 +475,9 @@ def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyL
             requirements.append(dep.call)
         elif isinstance(dep.call, BodyLimit):
             bodies.append(dep.call)
-        _collect(dep, requirements, bodies)
+        elif isinstance(dep.call, AnonymousGate):
+            gates.append(dep.call)
+        _collect(dep, requirements, bodies, gates)
 
 
 def _is_console(path: str) -> bool:

@@ -20,14 +20,16 @@ from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
+from swarm_server.engine_user import resolve_engine_user
 from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
-from swarm_server.errors import install_error_handlers
-from swarm_server.ledger import Ledger
+from swarm_server.errors import StartupRefused, install_error_handlers
+from swarm_server.ledger import Ledger, LedgerUnusable, check_ledger_file, set_ledger_aside
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
 from swarm_server.server_code import ServerCode
 from swarm_server.ui import SessionStore
+from swarm_server.ui.sessions import SignInThrottle
 from swarm_server.ui.routes import router as console_router
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -39,14 +41,60 @@ log = logging.getLogger(__name__)
 
 
 def build_context(settings: Settings) -> ServerContext:
-    prepare_workdir(settings.workdir)  # umask 077 before the first file is created
-    ledger = Ledger(settings.ledger_path)
+    engine_user = resolve_engine_user(settings)
+    # umask 077 before the first file is created
+    prepare_workdir(settings.workdir, shared=engine_user is not None)
+    if engine_user is not None:  # after the tightening: what the engine must reach
+        try:
+            engine_user.share_workdir(settings)
+        except OSError as exc:
+            raise StartupRefused(f"--engine-user {engine_user.name}: cannot share "
+                                 f"{exc.filename} with its group: {exc.strerror}") from exc
+        engine_user.check(settings)
+    ledger = Ledger(open_ledger_path(settings))
     snapshots = SnapshotStore(settings, ledger)
+    if engine_user is not None:
+        snapshots.share = engine_user.share_snapshot
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
-    engine = EngineController(settings, ledger, snapshots, approvals=gate)
+    snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
+    engine = EngineController(settings, ledger, snapshots, approvals=gate,
+                              engine_user=engine_user)
     gateway = EpisodeGateway(settings, engine)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
                          episodes=gateway, approvals=gate)
+
+
+def open_ledger_path(settings: Settings) -> Path:
+    """The ledger's path once it is known sound, absent, or set aside by `--new-ledger`.
+
+    A ledger that is missing while runs are on disk is refused too: the history would
+    otherwise start over without a word.
+    """
+    path = settings.ledger_path
+    try:
+        check_ledger_file(path)
+        if not path.exists() and _has_runs(settings.runs_dir):
+            raise LedgerUnusable(
+                f"the ledger {path} is missing but {settings.runs_dir} holds runs: the "
+                "history of runs, approvals and the audit log is gone; restore the ledger "
+                "from a backup, or start with --new-ledger to begin a fresh one")
+    except LedgerUnusable:
+        if not settings.new_ledger:
+            raise
+        if path.exists():
+            aside = set_ledger_aside(path)
+            log.warning("--new-ledger: the unusable ledger was moved to %s; starting a fresh "
+                        "one at %s", aside, path)
+        else:
+            log.warning("--new-ledger: starting a fresh ledger at %s", path)
+    return path
+
+
+def _has_runs(runs_dir: Path) -> bool:
+    try:
+        return any(entry.is_dir() for entry in runs_dir.iterdir())
+    except OSError:
+        return False
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -78,6 +126,9 @@ def create_app(settings: Settings) -> FastAPI:
     )
     app.state.ctx = ctx
     app.state.console_sessions = SessionStore(settings.ui_session_ttl_s)
+    app.state.sign_in_throttle = SignInThrottle(
+        per_source=settings.ui_sign_ins_per_source, overall=settings.ui_sign_ins_overall,
+        window_s=60.0)
     install_error_handlers(app)
     app.include_router(control.router)
     app.include_router(code.router)

@@ -1,4 +1,5 @@
-"""Reading a run directory: `metrics.jsonl` (points, summary, downsampling) and `engine.log`.
+"""Reading a run directory: `metrics.jsonl` (points, summary, downsampling), `engine.log`,
+and each step's training samples (`samples/samples-<step>.jsonl`).
 
 The engine writes these files (docs/internals.md, "Files in the run dir"); the server
 only reads them, at the end of a run (summary into the ledger) and on every API read.
@@ -16,20 +17,24 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import regex
 
 __all__ = [
+    "REDACTED",
     "SUMMARY_FIELDS",
     "LogPattern",
     "LogSearchTimeout",
     "compile_log_regex",
     "downsample",
     "read_log_lines",
+    "redact_secrets",
     "read_metrics",
+    "read_samples",
+    "sample_steps",
     "summarize",
 ]
 
@@ -61,6 +66,47 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         if isinstance(point, dict) and isinstance(point.get("step"), int):
             points.append(point)
     return points
+
+
+def read_samples(path: Path, *, offset: int, limit: int, max_bytes: int
+                 ) -> tuple[list[dict[str, Any]], int, int | None]:
+    """One page of a step's samples file: (samples, total, next offset or None).
+
+    The file is read line by line, never whole; a page ends at `limit` samples or once
+    it holds `max_bytes` of them (it always holds one, if any is left). Raises
+    `FileNotFoundError` when the step has no samples file.
+    """
+    page: list[dict[str, Any]] = []
+    size = total = 0
+    next_offset: int | None = None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            index = total
+            total += 1
+            if index < offset or next_offset is not None:
+                continue
+            if len(page) >= limit or (page and size + len(line) > max_bytes):
+                next_offset = index
+                continue
+            try:
+                sample = json.loads(line)
+            except ValueError:
+                continue  # damaged line: skipped like a metrics line
+            page.append(sample)
+            size += len(line)
+    return page, total, next_offset
+
+
+def sample_steps(folder: Path) -> list[int]:
+    """Steps that have a samples file, ascending."""
+    steps = []
+    for path in folder.glob("samples-*.jsonl"):
+        number = path.stem.removeprefix("samples-")
+        if number.isdigit():
+            steps.append(int(number))
+    return sorted(steps)
 
 
 def summarize(points: Iterable[dict[str, Any]],
@@ -112,10 +158,30 @@ def compile_log_regex(pattern: str) -> LogPattern[str]:
         raise ValueError(str(exc)) from exc
 
 
+#: What a configured secret is replaced with in output that reaches a caller.
+REDACTED = "[redacted]"
+
+
+def redact_secrets(text: str, secrets: Sequence[str]) -> str:
+    """`text` with every occurrence of each of `secrets` (longest first) replaced.
+
+    A defence in depth: children never get a token in their environment, but a token
+    that reached one anyway must not travel on to whoever reads its output.
+    """
+    for secret in sorted((s for s in secrets if s), key=len, reverse=True):
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
 def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
                    pattern: LogPattern[str] | None = None,
-                   budget_s: float = 1.0) -> tuple[list[str], int, bool]:
+                   budget_s: float = 1.0, redact: Sequence[str] = ()
+                   ) -> tuple[list[str], int, bool]:
     """The last `tail` lines (after filtering by substring `grep` or regex `pattern`).
+
+    Every string of `redact` (the server's tokens) is replaced before filtering, so a
+    search cannot tell whether a token was in the log either.
 
     Returns (lines, total matching lines scanned, truncated). `truncated` is True when
     older matching lines exist than were returned, or the file was too big to scan whole.
@@ -133,7 +199,7 @@ def read_log_lines(path: Path, *, tail: int, grep: str | None = None,
     scanned_all = start == 0
     if not scanned_all and lines:
         lines = lines[1:]  # the first line was cut by the seek
-    lines = [line[:MAX_LOG_LINE_CHARS] for line in lines]
+    lines = [redact_secrets(line, redact)[:MAX_LOG_LINE_CHARS] for line in lines]
     if grep is not None:
         lines = [line for line in lines if grep in line]
     if pattern is not None:
@@ -161,3 +227,15 @@ def _search(lines: list[str], pattern: LogPattern[str], budget_s: float) -> list
 def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)
             and math.isfinite(value))
+
+
+def read_trackers(run_dir: Path) -> dict[str, str]:
+    """Where the run's trackers write, from the engine's `trackers.json` ({} without one)."""
+    try:
+        data = json.loads((run_dir / "trackers.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    places = data.get("trackers") if isinstance(data, dict) else None
+    if not isinstance(places, dict):
+        return {}
+    return {str(k)[:50]: str(v)[:1000] for k, v in list(places.items())[:10]}

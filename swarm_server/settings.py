@@ -10,14 +10,20 @@ import ipaddress
 import re
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 __all__ = ["Settings", "is_loopback", "parse_approver_tokens"]
 
 MiB = 1024 * 1024
+#: The shortest token the server accepts: a short token is guessed by trying them all.
+MIN_TOKEN_CHARS = 16
+#: Variable name prefixes that never reach code the server runs (`--engine-env` included).
+SECRET_ENV_PREFIXES = ("AJET_SWARM_", "AJET_MCP_")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_USER_NAME = re.compile(r"[a-z_][a-z0-9_.-]{0,31}")
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 #: What the engine imports from third parties to load and serve a Qwen2-style policy
@@ -91,12 +97,36 @@ class Settings(BaseSettings):
     ui_session_ttl_s: float = Field(
         default=8 * 3600.0, gt=0, le=7 * 86_400.0,
         description="AJET_SWARM_UI_SESSION_TTL_S: how long a web console sign-in lasts")
+    ui_sign_ins_per_source: int = Field(
+        default=10, ge=1, le=10_000,
+        description="AJET_SWARM_UI_SIGN_INS_PER_SOURCE: console sign-in attempts per minute "
+                    "from one address (past it: 429)")
+    ui_sign_ins_overall: int = Field(
+        default=100, ge=1, le=100_000,
+        description="AJET_SWARM_UI_SIGN_INS_OVERALL: console sign-in attempts per minute "
+                    "from all addresses together")
     allow_extension_modules: bool = Field(
         default=False,
         description="AJET_SWARM_ALLOW_EXTENSION_MODULES: accept compiled extension modules "
                     "(.so, .pyd) in snapshots; a reviewer cannot read them")
 
+    new_ledger: bool = Field(
+        default=False,
+        description="AJET_SWARM_NEW_LEDGER (`--new-ledger`): start a fresh ledger when the "
+                    "ledger file is empty or unreadable, moving the old file aside; without "
+                    "it such a ledger stops the server at start")
+
     # engine lifecycle
+    engine_env: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="AJET_SWARM_ENGINE_ENV (`--engine-env NAME,...`): more variables passed "
+                    "from the server's environment to the engine, its ranks, the standby and "
+                    "the config validator (tracker keys, say); synced code can read them")
+    engine_user: str | None = Field(
+        default=None,
+        description="AJET_SWARM_ENGINE_USER (`--engine-user NAME`): run every engine rank, "
+                    "the standby and the validator as this OS user (the server must be able "
+                    "to switch users, e.g. run as root); docs/security.md")
     engine_python: str = Field(default=sys.executable, description="Interpreter for the engine")
     engine_module: str = Field(
         default="ajet.engine", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
@@ -104,6 +134,10 @@ class Settings(BaseSettings):
                     "command line; server tests point it at tests.support.fake_engine",
     )
     boot_timeout_s: float = Field(default=300.0, gt=0)
+    #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
+    max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
+    #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db
+    mlflow_tracking_uri: str | None = Field(default=None, max_length=2000)
     stop_grace_s: float = Field(default=10.0, ge=0)
     status_poll_s: float = Field(default=0.1, gt=0)
     config_validate_timeout_s: float = Field(default=60.0, gt=0)
@@ -175,6 +209,31 @@ class Settings(BaseSettings):
                                  "imported from the active snapshot at each start")
         return names
 
+    @field_validator("engine_env", mode="before")
+    @classmethod
+    def _split_engine_env(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("engine_env")
+    @classmethod
+    def _engine_env_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not _ENV_NAME.fullmatch(name):
+                raise ValueError(f"--engine-env: {name!r} is not a variable name")
+            if name.upper().startswith(SECRET_ENV_PREFIXES):
+                raise ValueError(f"--engine-env: {name} is the server's or the bridge's own "
+                                 "setting and never reaches code the server runs")
+        return names
+
+    @field_validator("engine_user")
+    @classmethod
+    def _engine_user_name(cls, name: str | None) -> str | None:
+        if name is not None and not _USER_NAME.fullmatch(name):
+            raise ValueError(f"--engine-user: {name!r} is not a user name")
+        return name
+
     _approvers: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
@@ -195,6 +254,18 @@ class Settings(BaseSettings):
                     raise ValueError(f"approver {name!r} is named in both "
                                      "AJET_SWARM_APPROVER_TOKENS and the tokens file")
                 approvers[name] = token
+        named = {"AJET_SWARM_TOKEN": self.token, "AJET_SWARM_WORKER_TOKEN": self.worker_token}
+        for source, secret in named.items():
+            if secret is not None and len(secret.get_secret_value()) < MIN_TOKEN_CHARS:
+                raise ValueError(f"{source} is shorter than {MIN_TOKEN_CHARS} characters; a "
+                                 "short token is found by trying them all: use at least "
+                                 f"{MIN_TOKEN_CHARS} random characters (python -c 'import "
+                                 "secrets; print(secrets.token_urlsafe(32))')")
+        for name, token in approvers.items():
+            if len(token) < MIN_TOKEN_CHARS:
+                raise ValueError(f"approver {name!r}: the token is shorter than "
+                                 f"{MIN_TOKEN_CHARS} characters; use at least "
+                                 f"{MIN_TOKEN_CHARS} random characters")
         if approvers and self.token is None:
             raise ValueError(
                 "approver tokens need a control token: without AJET_SWARM_TOKEN the control "
@@ -216,6 +287,12 @@ class Settings(BaseSettings):
     def approvals_enforced(self) -> bool:
         return bool(self._approvers)
 
+    def secret_values(self) -> list[str]:
+        """Every configured secret (tokens), longest first: what redaction removes."""
+        found = [t.get_secret_value() for t in (self.token, self.worker_token) if t]
+        found += list(self._approvers.values())
+        return sorted(set(found), key=len, reverse=True)
+
     @model_validator(mode="after")
     def _refuse_open_public_bind(self) -> Settings:
         if not is_loopback(self.host) and self.token is None:
@@ -236,3 +313,8 @@ class Settings(BaseSettings):
     @property
     def ledger_path(self) -> Path:
         return self.workdir / "swarm.sqlite3"
+
+    def mlflow_uri(self) -> str:
+        """The MLflow tracking URI the engines use: the setting, or SQLite in the workdir
+        (MLflow 3 refuses the plain file store unless told to)."""
+        return self.mlflow_tracking_uri or f"sqlite:///{self.workdir.resolve() / 'mlflow.db'}"

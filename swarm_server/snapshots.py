@@ -21,7 +21,9 @@ meta `active_snapshot` (absent = the server's own code, `protocol.SERVER_CODE`).
 
 Garbage collection keeps the newest `keep` snapshots, the active one and every snapshot
 a run in the ledger used (runs are the lasting record of results, so their code stays
-reproducible), and removes blobs no kept snapshot references once older than a grace
+reproducible), and every snapshot `pinned` names (the ones pending review: an approver
+reviewing one must never find it replaced by another upload with the same prefix), and
+removes blobs no kept snapshot references once older than a grace
 period (so blobs uploaded for a commit still to come are not swept away).
 """
 
@@ -38,7 +40,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from ajet.protocol import SERVER_CODE, FileEntry, GCResult, Provenance, Snapshot
 from swarm_server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
 from swarm_server.ledger import Ledger, SnapshotRecord
 from swarm_server.settings import Settings
+from swarm_server.supervisor import child_env
 from swarm_server.uploads import StagedBlob, check_free_disk
 from swarm_server.workdir import owner_only
 
@@ -78,6 +81,11 @@ class SnapshotStore:
         # One lock for every change on disk: materialise, activate, GC never interleave.
         self._lock = threading.RLock()
         self._tag: str | None = None  # the engine interpreter's bytecode cache tag
+        #: Ids GC must keep whoever asks (set by `main.build_context`: pending reviews).
+        self.pinned: Callable[[], set[str]] = set
+        #: Called on each new snapshot folder (`EngineUser.share_snapshot` under
+        #: `--engine-user`: the engine's group may read it).
+        self.share: Callable[[Path], None] | None = None
 
     # ------------------------------------------------------------------ paths
 
@@ -350,6 +358,8 @@ class SnapshotStore:
                 t1 = time.perf_counter()
                 compiled = self._compile(entries, partial, final / "ajet")
                 t2 = time.perf_counter()
+                if self.share is not None:
+                    self.share(partial)
                 os.rename(partial, final)
             except BaseException:
                 shutil.rmtree(partial, ignore_errors=True)
@@ -374,6 +384,7 @@ class SnapshotStore:
             records = self.ledger.list_snapshots()  # newest first
             protected = {r.id for r in records[:keep]} | {self.active_id()}
             protected |= self.ledger.snapshot_ids_used_by_runs()
+            protected |= self.pinned()
             removed: list[str] = []
             kept: list[SnapshotRecord] = []
             for rec in records:
@@ -487,7 +498,8 @@ class SnapshotStore:
         listing = "".join(f"{root / e.path}\n" for e, _ in todo)
         try:
             proc = subprocess.run(cmd, input=listing, capture_output=True, text=True,
-                                  errors="replace", timeout=_COMPILE_TIMEOUT_S)
+                                  errors="replace", timeout=_COMPILE_TIMEOUT_S,
+                                  env=child_env(os.environ))  # no token, like every child
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("could not precompile %s with %s: %s", root,
                         self.settings.engine_python, exc)
@@ -510,7 +522,8 @@ class SnapshotStore:
                 proc = subprocess.run(
                     [self.settings.engine_python, "-I", "-c",
                      "import sys; print(sys.implementation.cache_tag or '')"],
-                    capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+                    capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                    env=child_env(os.environ))
                 self._tag = proc.stdout.strip() if proc.returncode == 0 else ""
             except (OSError, subprocess.TimeoutExpired) as exc:
                 log.warning("cannot run the engine interpreter %s: %s",

@@ -30,14 +30,15 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 from swarm_server.supervisor import (
     ProcessHandle,
     Spawner,
     SpawnSpec,
+    engine_env,
     process_start_time,
-    snapshot_env,
     stop_group,
 )
 
@@ -71,10 +72,12 @@ class StandbyKeeper:
     """One warm standby at most; thread-safe. Needs a spawner whose handles are `Popen`s
     (`supervisor.PosixSpawner`): the engine controller builds a keeper only with that."""
 
-    def __init__(self, settings: Settings, ledger: Ledger, spawner: Spawner) -> None:
+    def __init__(self, settings: Settings, ledger: Ledger, spawner: Spawner, *,
+                 engine_user: EngineUser | None = None) -> None:
         self.settings = settings
         self.ledger = ledger
         self.spawner = spawner
+        self.engine_user = engine_user  # the standby runs as the engine would
         self._lock = threading.Lock()
         self._standby: _Standby | None = None
         self._closed = False
@@ -177,7 +180,7 @@ class StandbyKeeper:
         # The engine's environment without a snapshot, minus PYTHONPATH: the standby's
         # sys.path must be the interpreter's own, so that it can put the order's
         # PYTHONPATH in front exactly as a fresh interpreter would (standby.py).
-        env = snapshot_env(None)
+        env = engine_env(settings, None, user=self.engine_user)
         env.pop("PYTHONPATH", None)
         argv = [settings.engine_python, str(STANDBY_SCRIPT)]
         if settings.standby_preload:
@@ -187,6 +190,7 @@ class StandbyKeeper:
             proc = subprocess.Popen(
                 argv, cwd=settings.workdir, env=env, stdin=subprocess.PIPE, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                **(self.engine_user.popen_kwargs() if self.engine_user is not None else {}),
             )
         handle = ProcessHandle(pid=proc.pid, start_time=process_start_time(proc.pid),
                                native=proc)

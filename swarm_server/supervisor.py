@@ -19,16 +19,20 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 import psutil
 from pydantic import ValidationError
 
 from ajet.protocol import EngineReport
+from swarm_server.settings import SECRET_ENV_PREFIXES, Settings
+
+if TYPE_CHECKING:
+    from swarm_server.engine_user import EngineUser
 
 __all__ = [
     "EngineProbe",
@@ -38,8 +42,12 @@ __all__ = [
     "ProbeFactory",
     "ProcessHandle",
     "SocketProbe",
+    "CHILD_ENV_NAMES",
+    "CHILD_ENV_PREFIXES",
     "SpawnSpec",
     "Spawner",
+    "child_env",
+    "engine_env",
     "process_start_time",
     "snapshot_env",
     "stop_group",
@@ -47,8 +55,25 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Environment variables a spawned engine must not see: it runs researcher-synced code.
-_SECRET_ENV = ("AJET_SWARM_TOKEN", "AJET_SWARM_WORKER_TOKEN")
+#: What a child that runs synced code gets from the server's environment: an allow-list,
+#: never the server's environment minus a deny-list, so a secret the server holds under a
+#: name nobody thought of (a tokens file path, a cloud key) stays out. These run Python,
+#: torch, CUDA, NCCL and Hugging Face; anything else goes through `--engine-env`.
+CHILD_ENV_NAMES = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "TERM", "TZ", "LANG", "LANGUAGE",
+    "TMPDIR", "TMP", "TEMP", "PYTHONPATH", "PYTHONIOENCODING", "PYTHONUTF8",
+    "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONFAULTHANDLER", "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "XDG_CACHE_HOME",
+    "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+})
+#: Prefixes of the same: locale, devices, collective libraries, thread pools, the hub,
+#: and the engine's own settings (`AJET_ENGINE_*`).
+CHILD_ENV_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_", "PYTORCH_", "TORCH_",
+                      "TORCHINDUCTOR_", "TRITON_", "HF_", "TRANSFORMERS_", "TOKENIZERS_",
+                      "HIP_", "ROCR_", "GLOO_", "OMP_", "MKL_", "KMP_", "OPENBLAS_",
+                      "AJET_ENGINE_")
 #: Two start times closer than this belong to the same process (psutil rounds to ticks).
 _START_TIME_TOLERANCE_S = 0.05
 
@@ -122,24 +147,56 @@ def process_start_time(pid: int) -> float | None:
         return None
 
 
-def snapshot_env(base_dir: Path | None, environ: Mapping[str, str] | None = None
-                 ) -> dict[str, str]:
+def child_env(environ: Mapping[str, str], *, extra: Sequence[str] = (),
+              secrets: Sequence[str] = ()) -> dict[str, str]:
+    """The allow-listed part of `environ` (`CHILD_ENV_NAMES`, `CHILD_ENV_PREFIXES`, `extra`).
+
+    Never an `AJET_SWARM_*` or `AJET_MCP_*` variable, whatever `extra` says, and never a
+    variable whose value holds one of `secrets` (a token copied under another name).
+    """
+    wanted = set(extra)
+    env: dict[str, str] = {}
+    for name, value in environ.items():
+        if name.upper().startswith(SECRET_ENV_PREFIXES):
+            continue
+        if not (name in CHILD_ENV_NAMES or name.startswith(CHILD_ENV_PREFIXES)
+                or name in wanted):
+            continue
+        if any(secret and secret in value for secret in secrets):
+            log.warning("not passing %s to the engine: its value holds a server token", name)
+            continue
+        env[name] = value
+    return env
+
+
+def snapshot_env(base_dir: Path | None, environ: Mapping[str, str] | None = None, *,
+                 extra: Sequence[str] = (), secrets: Sequence[str] = ()) -> dict[str, str]:
     """The environment of a child that runs code from a snapshot (docs/internals.md).
 
+    The allow-listed part of the server's environment (`child_env`): the child runs code
+    a researcher synced, so no token, approver list or path to a tokens file reaches it.
     With a snapshot, `ISOLATED_AGENTJET_BASE_DIR` names it and it comes first on
     `PYTHONPATH`, so `import ajet` finds the synced code before anything installed.
-    Control and worker tokens are removed: the child runs code a researcher synced.
     """
-    env = dict(os.environ if environ is None else environ)
-    for name in _SECRET_ENV:
-        env.pop(name, None)
-    env.pop("ISOLATED_AGENTJET_BASE_DIR", None)
+    env = child_env(os.environ if environ is None else environ, extra=extra, secrets=secrets)
     if base_dir is not None:
         env["ISOLATED_AGENTJET_BASE_DIR"] = str(base_dir)
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = str(base_dir) + (os.pathsep + old if old else "")
     env["PYTHONUNBUFFERED"] = "1"  # so engine.log has each line when it is written
     return env
+
+
+def engine_env(settings: Settings, base_dir: Path | None, *,
+               user: EngineUser | None = None) -> dict[str, str]:
+    """`snapshot_env` with the server's `--engine-env` names, and its tokens and the path
+    of the approvers' tokens file to keep out; under an engine user, that user's home and
+    name."""
+    secrets = settings.secret_values()
+    if settings.approver_tokens_file is not None:  # no path to a secret either
+        secrets.append(str(settings.approver_tokens_file))
+    env = snapshot_env(base_dir, extra=settings.engine_env, secrets=secrets)
+    return user.env(env) if user is not None else env
 
 
 def stop_group(spawner: Spawner, handle: ProcessHandle, *, grace_s: float,
@@ -183,15 +240,22 @@ def _wait_group_gone(spawner: Spawner, handle: ProcessHandle, deadline: float,
 
 
 class PosixSpawner:
-    """Real processes: `subprocess.Popen(start_new_session=True)` and `os.killpg`."""
+    """Real processes: `subprocess.Popen(start_new_session=True)` and `os.killpg`.
+
+    With `as_user` every process starts as that user (`--engine-user`).
+    """
+
+    def __init__(self, as_user: EngineUser | None = None) -> None:
+        self.as_user = as_user
 
     def start(self, spec: SpawnSpec) -> ProcessHandle:
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        user = self.as_user.popen_kwargs() if self.as_user is not None else {}
         with open(spec.log_path, "ab") as log_file:
             proc = subprocess.Popen(
                 spec.argv, cwd=spec.cwd, env=spec.env, stdin=subprocess.DEVNULL,
                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                close_fds=True,
+                close_fds=True, **user,
             )
         return ProcessHandle(pid=proc.pid, start_time=process_start_time(proc.pid), native=proc)
 

@@ -23,7 +23,8 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["PRIVATE_UMASK", "SERVER_OWNED", "owner_only", "prepare_workdir"]
+__all__ = ["PRIVATE_IN_SHARED", "PRIVATE_UMASK", "SERVER_OWNED", "SHARED_WITH_ENGINE",
+           "owner_only", "prepare_workdir"]
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,26 @@ def owner_only(mode: int) -> int:
     return mode & ~0o077 & 0o7777
 
 
-def prepare_workdir(workdir: Path) -> None:
-    """Set the umask, tighten what the server owns in `workdir`, warn if it is open."""
+#: Under an engine user these are shared with its group (`swarm_server.engine_user`), so
+#: the start-up tightening leaves them alone but for what inside stays the server's own.
+SHARED_WITH_ENGINE = ("ajet_temp", "runs", "models")
+PRIVATE_IN_SHARED = ("ajet_temp/.blobs", "ajet_temp/.incoming", "ajet_temp/.pyc")
+
+
+def prepare_workdir(workdir: Path, *, shared: bool = False) -> None:
+    """Set the umask, tighten what the server owns in `workdir`, warn if it is open.
+
+    `shared` (an engine user): `SHARED_WITH_ENGINE` is left to `EngineUser.share_workdir`
+    and only `PRIVATE_IN_SHARED` is tightened inside it.
+    """
     os.umask(PRIVATE_UMASK)
     workdir.mkdir(parents=True, exist_ok=True)
-    tightened = sum(_tighten(workdir / name) for name in SERVER_OWNED)
+    if shared:
+        names = [n for n in SERVER_OWNED if n not in SHARED_WITH_ENGINE]
+        names += PRIVATE_IN_SHARED
+    else:
+        names = list(SERVER_OWNED)
+    tightened = sum(_tighten(workdir / name) for name in names)
     if tightened:
         log.warning("made %d file(s) and folder(s) under %s private to their owner "
                     "(they were readable by other users)", tightened, workdir)
@@ -53,7 +69,7 @@ def prepare_workdir(workdir: Path) -> None:
         log.warning("the work directory %s is a git checkout: the server's ledger, "
                     "snapshots and runs go into it (git-ignored, mode 0700/0600); start with "
                     "--workdir DIR to keep them elsewhere", workdir)
-    elif mode & 0o077:
+    elif mode & 0o077 and not shared:
         log.warning("the work directory %s has mode %04o: other users can list it; its "
                     "contents are private (mode 0700/0600), but consider "
                     "'chmod 700 %s'", workdir, mode, workdir)

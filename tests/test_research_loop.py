@@ -251,7 +251,7 @@ def test_demo_against_approvers_shows_pending_and_approves_with_the_cli(tmp_path
     # pending on the server, shown with where to approve; the approver's CLI; synced
     assert "sync_train_code: pending_approval. Uploaded; the server stores snapshot" in out
     assert f"pending on the server: {base['snapshot_id'][:12]}" in out
-    assert f"`ajet-swarm approvals approve {base['snapshot_id'][:12]}`" in out
+    assert f"`ajet-swarm approvals approve {base['snapshot_id']}`" in out  # the full id
     assert f"Snapshot {base['snapshot_id'][:12]} approved by demo-approver" in out
     assert [a["how"] for a in summary["approvals"]] == ["server approver CLI"]
     assert summary["approvals"][0]["shown"].startswith(f"Snapshot {base['snapshot_id']}: pending")

@@ -12,7 +12,7 @@ returned as `notes` when the server accepts the job), or is refused with the rea
 (`backbone="trinity"`, `swarm_mode=False`, `use_kl_in_reward=True`); docs/compat.md
 has the table. Two YAML forms are read: this project's flat one (`to_yaml`,
 `from_yaml`) and the original's nested `ajet:` tree (`job.config`, `dump_job_as_yaml`,
-`build_job_from_yaml`), converted by `ajet.copilot.nested_config`. Keys of the nested
+`build_job_from_yaml`), converted by `ajet.compat.nested_config`. Keys of the nested
 tree with no meaning here are kept in `nested_extras` and listed, never dropped.
 """
 
@@ -39,7 +39,8 @@ from pydantic import (
     model_validator,
 )
 
-from ajet.copilot import nested_config
+# A boundary import: the job reads and writes the original's nested YAML too
+from ajet.compat import nested_config
 
 __all__ = ["LORA_LR_SCALE", "NO_EFFECT", "AgentJetJob", "JobValidationError",
            "default_job_values"]
@@ -60,8 +61,6 @@ NO_EFFECT: dict[str, str] = {
     "project_name": "stored with the job; runs are grouped by experiment_name",
     "experiment_dir": "runs are written under the server's workdir (runs/<run_id>); "
                       "server_experiment_dir() says where",
-    "logging": "metrics go to the run's metrics.jsonl, served by GET /runs/{id}/metrics; "
-               "no tensorboard, wandb or swanlab logger",
     "tensor_model_parallel_size": "generation keeps one model copy per process; "
                                   "no tensor parallelism",
     "max_num_seqs": "the generation batch is a backend default "
@@ -72,7 +71,6 @@ NO_EFFECT: dict[str, str] = {
     "compute_madness_checklist": "no madness checks run; rewards are taken as sent",
     "val_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
     "train_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
-    "timeline_compare_level": "no context tracker: every completion is its own sample",
 }
 
 #: Nested keys listed one by one in the notes; the rest are counted.
@@ -143,6 +141,11 @@ class AgentJetJob(BaseModel):
     node_rank: int = Field(default_factory=_d("node_rank"), ge=0)
     rdzv_endpoint: str | None = Field(default_factory=_d("rdzv_endpoint"),
                                       description="host:port of the torchrun rendezvous (nnodes > 1)")
+    collective_timeout_min: float = Field(
+        default_factory=_d("collective_timeout_min"), gt=0, le=10_080,
+        description="Several processes: a rank waiting this long in a tensor collective "
+                    "(FSDP's gathers, the weight publication) fails the job; rank 0's "
+                    "commands travel on a CPU group that waits as long as a step takes")
     batch_size: int = Field(default_factory=_d("batch_size"), ge=1, le=100_000,
                             description="Task groups per training step")
     num_repeat: int = Field(default_factory=_d("num_repeat"), ge=1, le=1024,
@@ -239,8 +242,11 @@ class AgentJetJob(BaseModel):
                               description="Stored; no effect here (NO_EFFECT)")
     experiment_dir: str = Field(default_factory=_d("experiment_dir"), max_length=1000,
                                 description="Stored; no effect here (NO_EFFECT)")
-    logging: str = Field(default_factory=_d("logging"), max_length=100,
-                         description="Stored; no effect here (NO_EFFECT)")
+    logging: str | list[str] = Field(
+        default_factory=_d("logging"),
+        description="Experiment trackers that mirror every step's metrics: tensorboard, "
+                    "wandb, mlflow, swanlab (one, comma-separated, or a list); console = "
+                    "metrics.jsonl only (ajet/engine/tracking/trackers.py)")
     swarm_mode: bool = Field(default_factory=_d("swarm_mode"),
                              description="Must be true: this server trains in swarm mode only")
     swarm_mode_sample_collection_method: SampleCollectionMethod = Field(
@@ -272,7 +278,19 @@ class AgentJetJob(BaseModel):
     train_print_to_markdown_file_path: str | None = Field(
         default_factory=_d("train_print_to_markdown_file_path"), max_length=1000)
     timeline_compare_level: Literal["text", "token"] = Field(
-        default_factory=_d("timeline_compare_level"))
+        default_factory=_d("timeline_compare_level"),
+        description="How an episode's calls merge into one timeline: 'token' (the history "
+                    "between re-sent replies must match token for token) or 'text' (as "
+                    "messages; the later call's tokens are kept where they differ)")
+    timeline_merging: bool = Field(
+        default_factory=_d("timeline_merging"),
+        description="Merge calls that extend each other into one sample (false: one sample "
+                    "per completion)")
+    train_agents: list[str] = Field(
+        default_factory=_d("train_agents"), max_length=100,
+        validation_alias=AliasChoices("train_agents", "trainable_targets"),
+        description="Agent names to train: the `model` each request names. Empty: all. "
+                    "Calls under other names are served, never trained (side calls)")
     nested_extras: dict[str, Any] = Field(
         default_factory=_d("nested_extras"),
         description="Keys of the original's nested YAML with no meaning here, kept as given")
@@ -319,6 +337,18 @@ class AgentJetJob(BaseModel):
             name = str(data.get("experiment_name") or _default("experiment_name"))
             data["experiment_name"] = f"{name}_{time.strftime('%Y%m%d-%H%M%S')}"
         return data
+
+    @field_validator("logging")
+    @classmethod
+    def _check_logging(cls, value: str | list[str]) -> str | list[str]:
+        from ajet.engine.tracking.trackers import parse_logging
+
+        if isinstance(value, list) and len(value) > 10:
+            raise ValueError("logging: at most 10 trackers")
+        if isinstance(value, str) and len(value) > 100:
+            raise ValueError("logging: at most 100 characters")
+        parse_logging(value)  # ValueError names an unknown tracker
+        return value
 
     @field_validator("backbone")
     @classmethod

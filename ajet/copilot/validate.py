@@ -1,7 +1,7 @@
 """`python -m ajet.copilot.validate`: validate a job YAML read from stdin.
 
 Both forms are read: this project's flat YAML and the original AgentJet's nested `ajet:`
-tree (converted by `ajet.copilot.nested_config`), so the conversion, too, runs from the
+tree (converted by `ajet.compat.nested_config`), so the conversion, too, runs from the
 active snapshot. `notes` lists settings accepted without effect here.
 
 After the fields, the memory planner (`ajet/engine/planning/memory_plan.py`, no torch) estimates
@@ -24,6 +24,7 @@ from typing import Any
 import ajet
 from ajet.copilot.job import AgentJetJob, JobValidationError
 from ajet.engine.planning.memory_plan import plan_job
+from ajet.engine.tracking.trackers import missing_packages, parse_logging
 
 
 def check(text: str) -> dict[str, Any]:
@@ -45,6 +46,16 @@ def check(text: str) -> dict[str, Any]:
                             "memory": memory}],
                 "hint": (f"{plan.hint()}; or set memory_check: warn to start it anyway; "
                          "nothing was changed (the previous config stays)")}
+    missing = missing_packages(parse_logging(job.logging))
+    if missing:
+        installs = "; ".join(f"{name}: {install}" for name, install in missing)
+        return {"ok": False, "message": f"logging: the tracker package is not installed on "
+                f"the cluster: {', '.join(name for name, _ in missing)}", **where,
+                "errors": [{"loc": ["logging"], "type": "tracker_missing",
+                            "msg": f"{name} is not installed where the engine runs"}
+                           for name, _ in missing],
+                "hint": f"install it where the engine runs ({installs}), or drop it from "
+                        "logging; nothing was changed (the previous config stays)"}
     return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes(),
             "memory": memory, **where}
 

@@ -1,6 +1,6 @@
-"""Alias of `ajet.default_config.ajet_config_schema` (the task-reader config classes)."""
+"""The original's other module path of the task-reader config classes (ajet/compat/reader_config.py)."""
 
-from ajet.default_config.ajet_config_schema import (
+from ajet.compat.reader_config import (
     AjetTaskReader,
     HuggingfaceDatRepo,
     JsonlDatasetFile,

@@ -13,7 +13,7 @@ At the top, the step loop and what a researcher patches (read in this order):
     loss.py         clipped policy-gradient loss with optional KL
     learner.py      optimizer and the update over ppo_epochs and mini-batches
     scoring.py      response-token log-probs and entropy, logits in chunks
-    trajectory.py   what an episode recorded (token ids and sampling log-probs)
+    trajectory.py   what an episode recorded, and its timelines: the training samples
     config.py       AgentJetJob -> EngineConfig, backend defaults
     checkpoints.py  Hugging Face checkpoint directories and the sharded training state
     metrics.py      metrics.jsonl

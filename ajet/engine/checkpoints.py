@@ -103,9 +103,11 @@ def _quiet_single_process() -> Iterator[None]:
         yield
 
 
-def _state_options(learner: Learner) -> StateDictOptions:
-    # LoRA: the frozen base is the source checkpoint already; keep only what trains
-    return StateDictOptions(ignore_frozen_params=learner.model.lora)
+def _state_options(learner: Learner, *, loading: bool = False) -> StateDictOptions:
+    # LoRA: the frozen base is the source checkpoint already; keep only what trains (and
+    # on load do not ask for the base weights the state leaves out)
+    lora = learner.model.lora
+    return StateDictOptions(ignore_frozen_params=lora, strict=not (loading and lora))
 
 
 def _save_training_state(learner: Learner, path: Path) -> None:
@@ -128,6 +130,7 @@ def load_training_state(learner: Learner, checkpoint: Path) -> None:
         dcp.load(state, checkpoint_id=checkpoint / TRAINING_STATE_DIR,
                  no_dist=not learner.dist.active)
     set_state_dict(learner.model.scorer, learner.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=_state_options(learner))
+                   optim_state_dict=state["optimizer"],
+                   options=_state_options(learner, loading=True))
     with learner.policy.lock:
         learner.model.publish()

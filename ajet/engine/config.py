@@ -101,6 +101,8 @@ class EngineConfig:
     gpu_memory_utilization: float
     n_gpu: int
     n_proc: int
+    #: a tensor collective (NCCL; gloo on CPU) waiting longer than this fails the job
+    collective_timeout_s: float
     lora_rank: int
     lora_alpha: int
     lora_target_modules: str | tuple[str, ...]
@@ -131,6 +133,13 @@ class EngineConfig:
     sweep_interval_s: float
     #: byte bound of a chat body (BackendDefaults.chat_bytes_per_prompt_token)
     max_chat_bytes: int
+    # --- timelines (ajet/engine/trajectory.py)
+    #: merge an episode's calls that extend each other into one sample
+    timeline_merging: bool = True
+    #: "token" or "text": how the history between re-sent replies must match
+    timeline_compare_level: str = "token"
+    #: agent names (requests' `model`) to train; empty: all
+    train_agents: tuple[str, ...] = ()
 
     @property
     def episodes_per_step(self) -> int:
@@ -189,6 +198,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         gpu_memory_utilization=job.gpu_memory_utilization,
         n_gpu=job.n_gpu,
         n_proc=job.n_proc,
+        collective_timeout_s=job.collective_timeout_min * 60.0,
         lora_rank=job.lora_rank,
         lora_alpha=job.lora_alpha,
         lora_target_modules=(job.lora_target_modules if isinstance(job.lora_target_modules, str)
@@ -220,6 +230,9 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         sweep_interval_s=backend.sweep_interval_s,
         max_chat_bytes=backend.chat_bytes_per_prompt_token * job.max_prompt_length
         + backend.chat_bytes_allowance,
+        timeline_merging=job.timeline_merging,
+        timeline_compare_level=job.timeline_compare_level,
+        train_agents=tuple(job.train_agents),
     )
 
 

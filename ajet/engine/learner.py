@@ -2,8 +2,8 @@
 
 Per epoch the batch's task groups are split into `mini_batch_num` mini-batches (whole
 groups, in order), and each mini-batch is one optimizer step: its micro-batches
-accumulate gradients of `loss.policy_loss` (normalised by the mini-batch's response-token
-count, so accumulation equals one big batch), then the gradient norm is clipped to
+accumulate gradients of `loss.policy_loss` (normalised by the mini-batch's trained-token
+count, the loss masks' ones, so accumulation equals one big batch), then the gradient norm is clipped to
 `max_grad_norm` and AdamW steps. Micro-batches are cut by a token budget
 (`micro_batch_tokens`: rows x longest prompt + response, padding included), not by a
 row count, so long responses make more micro-batches instead of a higher peak; a sample
@@ -50,7 +50,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TrainSample:
-    """One completion to train on, with the advantage of its episode."""
+    """One sequence to train on (a timeline of an episode), with its episode's advantage.
+
+    `response_ids` runs from the first trained token to the end; `loss_mask` (None: all
+    1) is off on the tokens in it the model did not sample (tool results, template
+    tokens between the merged calls' replies), and `old_logprobs` is 0 there.
+    """
 
     prompt_ids: tuple[int, ...]
     response_ids: tuple[int, ...]
@@ -58,10 +63,16 @@ class TrainSample:
     advantage: float
     #: index of the episode's task group in the batch; ranks split the batch by group
     group: int = 0
+    loss_mask: tuple[int, ...] | None = None
 
     @property
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def trained_tokens(self) -> int:
+        """Tokens the loss counts (token-level normalisation counts each once)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)
 
 
 def mini_batches(samples: Sequence[TrainSample], count: int) -> list[list[TrainSample]]:
@@ -106,6 +117,10 @@ class UpdateStats:
     tokens: int
     samples: int
     seconds: float
+    #: the publication of the new weights to the inference model (part of `seconds`)
+    publish_time_s: float = 0.0
+    #: bytes of full weights it produced, in the inference model's dtype
+    publish_bytes: int = 0
 
 
 class Learner:
@@ -124,8 +139,8 @@ class Learner:
         weights to the inference model before it returns.
         """
         start = time.perf_counter()
-        samples = [s for s in samples if s.response_ids]
-        n_tokens = sum(len(s.response_ids) for s in samples)  # of the whole batch
+        samples = [s for s in samples if s.trained_tokens]
+        n_tokens = sum(s.trained_tokens for s in samples)  # of the whole batch
         if not samples:
             return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, time.perf_counter() - start)
         dist, cfg = self.dist, self.cfg
@@ -139,11 +154,11 @@ class Learner:
                 for epoch in range(cfg.ppo_epochs):
                     kl_sum = clipped = 0.0
                     for part in mini_batches(samples, cfg.mini_batch_num):
-                        part_tokens = sum(len(s.response_ids) for s in part)
+                        part_tokens = sum(s.trained_tokens for s in part)
                         mine = [s for s in part if s.group % dist.world_size == dist.rank]
                         micros = micro_batches(mine, cfg.micro_batch_tokens)
                         # every rank runs as many passes as the busiest one (FSDP collectives)
-                        n_micro = dist.max_int(len(micros), self.policy.device)
+                        n_micro = dist.max_int(len(micros))
                         self.optimizer.zero_grad(set_to_none=True)
                         # local sums: loss (already / part_tokens), kl, entropy, clipped tokens
                         sums = [0.0, 0.0, 0.0, 0.0]
@@ -160,7 +175,7 @@ class Learner:
                             sums[1] += terms.kl_sum if cfg.kl_coef > 0 else terms.approx_kl_old_sum
                             sums[2] += entropy
                             sums[3] += terms.clipped_tokens
-                        sums = dist.sum_floats(sums, self.policy.device)
+                        sums = dist.sum_floats(sums)
                         grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
                         self.optimizer.step()
                         losses.append(sums[0])
@@ -171,17 +186,19 @@ class Learner:
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.model.train(False)
-            self.model.publish()
+            published = self.model.publish()
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
-            samples=len(samples), seconds=time.perf_counter() - start)
+            samples=len(samples), seconds=time.perf_counter() - start,
+            publish_time_s=published.seconds, publish_bytes=published.bytes)
 
     def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int
                      ) -> tuple[LossTerms, float]:
         cfg, policy = self.cfg, self.policy
         batch = pack_responses([s.prompt_ids for s in micro], [s.response_ids for s in micro],
-                               pad_id=policy.pad_id, device=policy.device)
+                               pad_id=policy.pad_id, device=policy.device,
+                               masks=[s.loss_mask for s in micro])
         # the reference first: no graph of the training forward is pending meanwhile
         ref = self.model.reference_logprobs(batch, temperature=cfg.temperature) \
             if cfg.kl_coef > 0 else None

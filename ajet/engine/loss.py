@@ -7,7 +7,8 @@ Variant, per response token t of an episode with advantage A:
     kl_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   ("k3", Schulman 2020), >= 0
     loss    = sum_t (pg_t + kl_coef * kl_t) / N
 
-Token-level normalisation: N is the number of response tokens in the whole batch (all
+Token-level normalisation: N is the number of trained tokens (the loss mask's ones: a
+merged timeline's sampled tokens, each counted once) in the whole batch (all
 micro-batches of one optimizer step), so long responses weigh more than short ones and
 no per-sequence mean is taken (as in DAPO and nanochat, unlike the GRPO paper's
 per-sequence average). Departures from GRPO: the KL term is off unless `kl_coef > 0`,

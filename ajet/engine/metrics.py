@@ -4,7 +4,10 @@ Fields (docs/internals.md, "metrics.jsonl fields"): step, reward_mean, reward_st
 reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episodes,
 tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
-grad_norm, clip_frac, update_time_s, policy_lag, tool_call_parse_errors).
+grad_norm, clip_frac, update_time_s, publish_time_s, publish_bytes, policy_lag,
+tool_call_parse_errors), and the trainer adds the timelines' counts (`train/episodes`,
+`train/completions`, `train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
+`train/retokenisation_drift`; `trainer.build_samples`).
 
 `success_rate` is the share of true `is_success` among the episodes whose workflow sent
 one, and null when none did (a success rate made up from rewards would read 1.0 for any
@@ -18,7 +21,7 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ajet.engine.advantages import mean_std
 from ajet.engine.plane.episodes import Episode
@@ -62,6 +65,9 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
         "grad_norm": update.grad_norm,
         "clip_frac": update.clip_frac,
         "update_time_s": update.seconds,
+        # the new weights' way to the inference model (docs/distributed.md, "Publication")
+        "publish_time_s": update.publish_time_s,
+        "publish_bytes": update.publish_bytes,
         "policy_lag": sum(lag) / len(lag) if lag else 0.0,
         # replies whose tool-call block did not parse (served as content; chat_format)
         "tool_call_parse_errors": sum(c.tool_call_parse_error for e in episodes
@@ -79,16 +85,30 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
     return line
 
 
-class MetricsWriter:
-    """Appends one line per step to `<run_dir>/metrics.jsonl` and flushes it."""
+class Mirror(Protocol):
+    """Where else each line goes (the job's trackers, `ajet.engine.tracking`)."""
 
-    def __init__(self, path: Path) -> None:
+    def log(self, line: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class MetricsWriter:
+    """Appends one line per step to `<run_dir>/metrics.jsonl`, flushes it, then mirrors
+    it to the trackers (which never fail the write: they turn themselves off)."""
+
+    def __init__(self, path: Path, mirror: Mirror | None = None) -> None:
         self.path = path
+        self.mirror = mirror
         self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open)
 
     def write(self, line: dict[str, Any]) -> None:
         self._file.write(json.dumps(line, allow_nan=False, default=float) + "\n")
         self._file.flush()
+        if self.mirror is not None:
+            self.mirror.log(line)
 
     def close(self) -> None:
         self._file.close()
+        if self.mirror is not None:
+            self.mirror.close()

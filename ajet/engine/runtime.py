@@ -9,8 +9,11 @@ built first if needed), the generator (`generation/continuous_batching.py`, or `
 AJET_ENGINE_GENERATION=recompute), then the step loop (`trainer.train`).
 
 Exit codes: 0 after a clean stop (SIGTERM/SIGINT, or `max_steps` reached), with the
-final checkpoint in `<run_dir>/final/`; 1 on any error, its traceback on stderr, which
-the server appends to `<run_dir>/engine.log`. Signal handlers only set an event.
+final checkpoint in `<run_dir>/final/`; 1 on any error, logged with the rank and its
+traceback on stderr (which the server appends to `<run_dir>/engine.log`) and recorded in
+`<run_dir>/failure.json`; a failed process tears nothing down and exits at once, and a
+peer's failure ends every other rank too (`parallel/failures.py`). Signal handlers only
+set an event.
 
 Under `torchrun` (docs/distributed.md) every rank runs this and every rank generates;
 rank 0 alone opens the private channel, routes each episode's generation to a rank
@@ -33,8 +36,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
+    from ajet.copilot.job import AgentJetJob
     from ajet.engine.config import EngineConfig
+    from ajet.engine.tracking.trackers import TrackerSet
     from ajet.engine.generation.interface import Generator
+    from ajet.engine.parallel.failures import RankFailures
     from ajet.engine.policy import Policy
 
 __all__ = ["main", "parse_args"]
@@ -71,20 +77,32 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    from ajet.engine.parallel.failures import RankFailures
+
+    failures = RankFailures(rank=rank, world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                            run_dir=args.run_dir.resolve())
     try:
-        return _run(args, stop, rank=rank)
-    except Exception:
-        log.exception("engine failed (run %s)", args.run_id)
+        return _run(args, stop, rank=rank, failures=failures)
+    except Exception as exc:
+        # logged with the rank and traceback, recorded for the server; the caller exits
+        # at once (see _run: nothing waits on the process group)
+        log.error("engine failed (run %s)", args.run_id)
+        failures.report(exc)
         return 1
 
 
-def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
+def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
+         failures: RankFailures) -> int:
     started = time.monotonic()
     import ajet
 
+    from ajet.packaging import folder_snapshot_id
+
     ajet_file = str(Path(ajet.__file__).resolve())
-    log.info("engine pid %d, run %s, ajet from %s, python %s", os.getpid(), args.run_id,
-             ajet_file, sys.version.split()[0])
+    # the code's identity is its content, not its path: each node keeps its own copy
+    code_id = folder_snapshot_id(Path(ajet_file).parent)
+    log.info("engine pid %d, run %s, ajet from %s (content id %s), python %s", os.getpid(),
+             args.run_id, ajet_file, code_id[:12], sys.version.split()[0])
 
     # A bad job fails here, before the slow imports, with each bad field named.
     from ajet.copilot.job import AgentJetJob
@@ -105,7 +123,12 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     from ajet.engine.plane.app import create_channel_app
     from ajet.engine.plane.episode_plane import EpisodePlane
     from ajet.engine.config import load_engine_config
-    from ajet.engine.parallel.distributed import Dist, init_distributed, start_orphan_watchdog
+    from ajet.engine.parallel.distributed import (
+        Dist,
+        group_store,
+        init_distributed,
+        start_orphan_watchdog,
+    )
     from ajet.engine.plane.episodes import EpisodeRegistry
     from ajet.engine.learner import Learner
     from ajet.engine.metrics import MetricsWriter
@@ -131,7 +154,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
                                    batch_size=cfg.batch_size,
                                    collection_method=cfg.sample_collection_method)
         plane = EpisodePlane(cfg=cfg, registry=registry, run_id=args.run_id,
-                             ajet_file=ajet_file,
+                             ajet_file=ajet_file, snapshot_id=code_id,
                              info={"experiment_name": cfg.experiment_name, "model": cfg.model,
                                    "device": cfg.device})
         channel = ChannelServer(create_channel_app(plane),
@@ -142,14 +165,19 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
     routed: Generator | None = None  # rank 0 under torchrun: the router over every rank
     metrics: MetricsWriter | None = None
     dist = Dist()
+    clean = True
     try:
         # every rank resolves (ajet-tiny: builds) the checkpoint before joining the group
         model_path = resolve_model_path(cfg.model, workdir=args.workdir.resolve(),
                                         seed=cfg.seed)
-        dist = init_distributed(on_gpu=cfg.device == "cuda")
+        dist = init_distributed(on_gpu=cfg.device == "cuda",
+                                collective_timeout_s=cfg.collective_timeout_s)
         if dist.active and "TORCHELASTIC_RUN_ID" in os.environ:
             start_orphan_watchdog()
-        ajet_files = dist.gather(ajet_file)
+        if dist.world_size > 1:  # a peer's failure ends this rank too, within a second
+            failures.store = group_store()
+            failures.start()
+        ranks_code = dist.gather((ajet_file, code_id))
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
         memory = PeakMemory(policy.device, planned_bytes=_log_memory_plan(job, policy.device)
@@ -171,10 +199,14 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
             log.info("rank %d stopped after %d step(s); it generated %d reply(s)", dist.rank,
                      steps, local.stats().get("requests", 0))
             return 0
-        plane.world_size, plane.ranks_ajet_files = dist.world_size, ajet_files
+        plane.world_size = dist.world_size
+        plane.ranks_ajet_files = [path for path, _ in ranks_code]
+        plane.ranks_snapshot_ids = [ident for _, ident in ranks_code]
         plane.info.update(model_path=str(model_path), parameters=policy.parameter_count())
         plane.set_policy(policy, routed or local)
-        metrics = MetricsWriter(run_dir / "metrics.jsonl")
+        metrics = MetricsWriter(run_dir / "metrics.jsonl",
+                                mirror=start_trackers(job, run_dir, run_id=args.run_id,
+                                                      workdir=args.workdir, plane_info=plane.info))
         log.info("booted in %.1f s (%d process(es))", time.monotonic() - started,
                  dist.world_size)
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
@@ -185,24 +217,54 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int) -> int:
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
         finish(parts, steps)
+    except BaseException:
+        # A failed rank leaves at once (main reports it, __main__ exits): stopping the
+        # generators, the channel or the process group could wait on collectives a
+        # peer will never join. The process's exit frees all of it.
+        clean = False
+        raise
     finally:
-        if routed is not None:
-            log.info("generation per rank: %s", ", ".join(
-                f"{r['rank']}: {r['routed']} request(s)" for r in routed.stats()["ranks"]))
-        for part in (routed, local):
-            if part is not None:
-                part.stop()
-        if served is not None:
-            served.stop()
-        if channel is not None:
-            channel.stop()
-        if registry is not None:  # no call reaches it any more: its last word on its episodes
-            log.info("episodes at stop: %s", json.dumps(registry.snapshot(), sort_keys=True))
-        if metrics is not None:
-            metrics.close()
-        dist.close()
+        if clean:  # a clean stop's teardown, in order: generation, the channel, the group
+            if routed is not None:
+                log.info("generation per rank: %s", ", ".join(
+                    f"{r['rank']}: {r['routed']} request(s)" for r in routed.stats()["ranks"]))
+            for part in (routed, local):
+                if part is not None:
+                    part.stop()
+            if served is not None:
+                served.stop()
+            if channel is not None:
+                channel.stop()
+            if registry is not None:  # no call reaches it any more: its last word on its episodes
+                log.info("episodes at stop: %s", json.dumps(registry.snapshot(), sort_keys=True))
+            if metrics is not None:
+                metrics.close()
+            failures.stop()
+            dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workdir: Path,
+                   plane_info: dict[str, object]) -> TrackerSet | None:
+    """The job's `logging` trackers (rank 0), and where they write: `trackers.json` in the
+    run directory (the server shows it with the run) and the engine's status info."""
+    from ajet.engine.tracking.trackers import RunInfo, open_trackers, parse_logging, \
+        tracker_locations
+
+    names = parse_logging(job.logging)
+    if not names:
+        return None
+    info = RunInfo.load(run_dir, run_id=run_id or run_dir.name,
+                        experiment_name=job.experiment_name,
+                        config=job.model_dump(mode="json"), workdir=workdir.resolve())
+    trackers = open_trackers(names, info)
+    places = tracker_locations([t.name for t in trackers.trackers], run_dir,
+                               mlflow_uri=info.mlflow_uri)
+    report = {"trackers": places, "failed": trackers.failed}
+    (run_dir / "trackers.json").write_text(json.dumps(report, indent=1))
+    plane_info["trackers"] = places
+    return trackers
 
 
 def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:

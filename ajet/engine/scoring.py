@@ -45,11 +45,14 @@ class ResponseBatch:
     #: position whose logits predict response token r (its index minus one)  (B, R)
     gather_at: torch.Tensor
     targets: torch.Tensor  # (B, R) the response tokens
-    mask: torch.Tensor  # (B, R) float, 1 on real response tokens
+    mask: torch.Tensor  # (B, R) float, 1 on the response tokens trained (loss mask)
 
 
 def pack_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], *,
-                   pad_id: int, device: torch.device) -> ResponseBatch:
+                   pad_id: int, device: torch.device,
+                   masks: Sequence[Sequence[int] | None] | None = None) -> ResponseBatch:
+    """Rows of prompt + response; `masks` (one per row, None: all 1) marks the response
+    tokens that count (a merged timeline's tool results and template tokens do not)."""
     width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     resp_width = max(1, max(len(r) for r in responses))
     batch = len(prompts)
@@ -66,7 +69,11 @@ def pack_responses(prompts: Sequence[Sequence[int]], responses: Sequence[Sequenc
         # the logits at position t predict token t + 1
         gather_at[row, :n] = torch.arange(len(prompt) - 1, len(prompt) - 1 + n)
         targets[row, :n] = torch.tensor(list(response), dtype=torch.long)
-        mask[row, :n] = 1.0
+        row_mask = masks[row] if masks is not None else None
+        if row_mask is None:
+            mask[row, :n] = 1.0
+        else:
+            mask[row, :n] = torch.tensor(list(row_mask), dtype=torch.float32)
     return ResponseBatch(input_ids.to(device), attention.to(device), gather_at.to(device),
                          targets.to(device), mask.to(device))
 

@@ -7,9 +7,9 @@ One step, top to bottom (docs/internals.md):
     ROLLING_POST    claims closed; wait until every claimed episode ended, was aborted
                     or timed out (its group may complete too: it waits in the queue)
     WEIGHT_SYNCING  take the `batch_size` oldest complete groups -> rewards ->
-                    advantages -> update over ppo_epochs (generation paused: every
+                    advantages -> timelines (samples) -> update over ppo_epochs (generation paused: every
                     rank's generator resumes on the new weights with a fresh KV cache)
-                    -> metrics line -> checkpoint
+                    -> samples file -> metrics line -> checkpoint
     (back to ROLLING)
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
@@ -18,23 +18,27 @@ final checkpoint.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
-(checkpoint name, step)) or ("stop", None), and they call the same `Learner.update` on
-their share, or the same `save_checkpoint`, until "stop". The update and the checkpoint
-are where the ranks meet (FSDP's all-gathers and reduce-scatters, the metric sums, the
-gathered checkpoint), so every rank must run each of them, even an update whose groups
-all went to other ranks.
+(checkpoint name, step)) or ("stop", None), over the CPU control group (never NCCL: a
+follower waits there through the whole rollout while its own generator runs), and they
+call the same `Learner.update` on their share, or the same `save_checkpoint`, until
+"stop". The update and the checkpoint are where the ranks meet (FSDP's all-gathers and
+reduce-scatters, the metric sums, the gathered checkpoint), so every rank must run each
+of them, even an update whose groups all went to other ranks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ajet.engine import trajectory
 from ajet.engine.advantages import grpo_advantages
 from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig
@@ -48,9 +52,15 @@ from ajet.engine.policy import Policy
 from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
 
-__all__ = ["TrainerParts", "build_samples", "checkpoint", "finish", "follow", "train"]
+__all__ = ["SAMPLES_DIR", "BatchSamples", "TrainerParts", "build_samples", "checkpoint",
+           "finish", "follow", "train", "write_samples"]
 
 log = logging.getLogger(__name__)
+
+#: Where each step's samples are written (`GET /runs/{id}/samples?step=N` reads them).
+SAMPLES_DIR = "samples"
+#: Steps whose sample files are kept (older ones are removed as new steps are written).
+SAMPLE_FILES_KEPT = 100
 
 
 @dataclass
@@ -72,15 +82,73 @@ class TrainerParts:
     memory: PeakMemory | None = None
 
 
-def build_samples(groups: Sequence[Group], advantages: Sequence[float]) -> list[TrainSample]:
-    """One sample per completion; every completion of an episode gets its advantage."""
+@dataclass
+class BatchSamples:
+    """A step's training samples, what each one is (for samples-<step>.jsonl), and counts."""
+
+    samples: list[TrainSample]
+    records: list[dict[str, Any]]
+    #: the step's `train/*` metrics
+    metrics: dict[str, int]
+
+
+def build_samples(groups: Sequence[Group], advantages: Sequence[float], *, cfg: EngineConfig,
+                  tokenizer: Any = None) -> BatchSamples:
+    """The episodes' timelines as samples (`trajectory.build_samples`); every sample of
+    an episode gets the episode's advantage, and its task group's index."""
+    encode = decode = None
+    if tokenizer is not None:
+        def encode(text: str) -> list[int]:
+            return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+        def decode(ids: Sequence[int]) -> str:
+            return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
     tagged = [(gi, e) for gi, g in enumerate(groups) for e in g.episodes]
-    samples = []
+    out = BatchSamples([], [], {"train/episodes": len(tagged), "train/completions": 0,
+                                "train/samples": 0, "train/trained_tokens": 0,
+                                "train/prompt_tokens": 0, "train/retokenisation_drift": 0})
     for (gi, episode), advantage in zip(tagged, advantages, strict=True):
-        for c in episode.trajectory.completions:
-            samples.append(TrainSample(c.prompt_ids, c.response_ids, c.logprobs, advantage,
-                                       group=gi))
-    return samples
+        timelines = trajectory.build_samples(
+            episode.trajectory.completions, compare_level=cfg.timeline_compare_level,  # type: ignore[arg-type]
+            merging=cfg.timeline_merging, agents=cfg.train_agents, encode=encode,
+            decode=decode)
+        out.metrics["train/completions"] += timelines.completions
+        out.metrics["train/retokenisation_drift"] += timelines.retokenisation_drift
+        for sample in timelines.samples:
+            if not sample.trained_tokens:
+                continue
+            first = sample.loss_mask.index(1)  # everything before it is prompt
+            out.samples.append(TrainSample(
+                sample.token_ids[:first], sample.token_ids[first:], sample.logprobs[first:],
+                advantage, group=gi, loss_mask=sample.loss_mask[first:]))
+            out.metrics["train/samples"] += 1
+            out.metrics["train/trained_tokens"] += sample.trained_tokens
+            out.metrics["train/prompt_tokens"] += sample.prompt_tokens
+            out.records.append({
+                "episode_uuid": episode.uuid, "task_id": episode.task_id,
+                "agent": sample.agent, "advantage": advantage, "reward": episode.reward,
+                "completions": list(sample.completions), "token_ids": list(sample.token_ids),
+                "text": decode(sample.token_ids) if decode is not None else None,
+                "loss_mask": list(sample.loss_mask), "logprobs": list(sample.logprobs)})
+    return out
+
+
+def write_samples(run_dir: Path, step: int, records: Sequence[dict[str, Any]], *,
+                  keep: int = SAMPLE_FILES_KEPT) -> Path:
+    """`<run_dir>/samples/samples-<step>.jsonl` (one sample a line); older steps beyond
+    the last `keep` are removed. Written to a temporary name, then renamed."""
+    folder = run_dir / SAMPLES_DIR
+    folder.mkdir(exist_ok=True)
+    target = folder / f"samples-{step}.jsonl"
+    partial = folder / f".samples-{step}.partial"
+    with open(partial, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, allow_nan=False, default=float) + "\n")
+    partial.replace(target)
+    stale = folder / f"samples-{step - keep}.jsonl"
+    stale.unlink(missing_ok=True)
+    return target
 
 
 def train(parts: TrainerParts) -> int:
@@ -110,16 +178,20 @@ def train(parts: TrainerParts) -> int:
         rewards = process_rewards([e.reward or 0.0 for e in episodes], clip=cfg.reward_clip)
         group_ids = [gi for gi, g in enumerate(groups) for _ in g.episodes]
         advantages = grpo_advantages(rewards, group_ids, eps=cfg.adv_eps)
-        samples = parts.dist.broadcast(("train", build_samples(groups, advantages)))[1]
+        # timelines: each chain of calls that extend each other is one sample
+        batch = build_samples(groups, advantages, cfg=cfg, tokenizer=parts.policy.tokenizer)
+        samples = parts.dist.broadcast(("train", batch.samples))[1]
         with _generation_paused(parts.generator):
             update = parts.learner.update(samples)
         step += 1
+        write_samples(parts.run_dir, step, batch.records)
 
         # metrics line, then a checkpoint every save_every steps
         now = time.monotonic()
         line = step_metrics(step=step, episodes=episodes, rewards=rewards, update=update,
                             groups=len(groups), step_time_s=now - step_start,
                             wall_time_s=now - parts.started)
+        line.update(batch.metrics)
         if parts.memory is not None:
             line.update(parts.memory.fields())
         parts.metrics.write(line)

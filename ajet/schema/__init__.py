@@ -1,5 +1,5 @@
-"""The original AgentJet schema package: `ajet.schema.task` holds `Task` and `WorkflowOutput`."""
+"""The original AgentJet schema package: `ajet.schema.task` (ajet/compat/task.py)."""
 
-from ajet.schema.task import Task, WorkflowOutput
+from ajet.compat.task import Task, WorkflowOutput
 
 __all__ = ["Task", "WorkflowOutput"]

@@ -1,35 +1,5 @@
-"""`OpenaiBaseUrlAndApiKey`: what `SwarmClient.begin_episode()` hands a workflow.
+"""The original's module path of `OpenaiBaseUrlAndApiKey` (ajet/compat/openai_endpoint.py)."""
 
-`base_url` ends in `/v1`, as the `openai` client expects, and `api_key` is the
-episode's signed key; pass both to any OpenAI-compatible client:
-
-    client = openai.OpenAI(base_url=api.base_url, api_key=api.api_key)
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-from pydantic import BaseModel, Field
+from ajet.compat.openai_endpoint import OpenaiBaseUrlAndApiKey
 
 __all__ = ["OpenaiBaseUrlAndApiKey"]
-
-
-class OpenaiBaseUrlAndApiKey(BaseModel):
-    base_url: str = Field(description="The episode's OpenAI-compatible base URL (ends in /v1)")
-    api_key: str = Field(description="The episode's key: only this episode's chats use it")
-    model: str = Field(default="reserved_field", description="Any model name is accepted")
-    episode_uuid: str = Field(default="episode_id", description="The episode this key is for")
-
-    def as_raw_openai_sdk_client(self, *args: Any, **kwargs: Any) -> Any:
-        """An `openai.AsyncOpenAI` client bound to this episode (needs `openai`)."""
-        from openai import AsyncOpenAI
-
-        return AsyncOpenAI(api_key=self.api_key, base_url=self.base_url)
-
-    def as_agentscope_model(self, *args: Any, **kwargs: Any) -> Any:
-        """An AgentScope `OpenAIChatModel` bound to this episode (needs `agentscope`)."""
-        from agentscope.model import OpenAIChatModel  # type: ignore[import-not-found]
-
-        return OpenAIChatModel(model_name="AgentJet-Model", api_key=self.api_key,
-                               client_args={"base_url": self.base_url})

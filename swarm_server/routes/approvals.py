@@ -8,8 +8,10 @@
     POST /approvals/{ref}/deny     {snapshot_id, note}
     POST /approvals/{ref}/revoke   {snapshot_id, note}   (stops an engine running it)
 
-`ref` is a snapshot id or a unique prefix; a decision's body repeats the full id, so what
-is decided is exactly what was reviewed. The control token is refused (403): it cannot
+`ref` of the review is a snapshot id or a unique prefix; the review answers the full id.
+A decision takes the full id only, in the path and again in its body, so what is
+decided is exactly what was reviewed (a prefix could name another snapshot uploaded
+since). The control token is refused (403): it cannot
 approve, not even read the review here (the bridge computes the same review from the
 control routes). Every decision and refusal is in the audit log with the approver's name.
 """
@@ -17,6 +19,7 @@ control routes). Every decision and refusal is in the audit log with the approve
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -32,7 +35,7 @@ from ajet.protocol import (
 )
 from swarm_server.context import ServerContext
 from swarm_server.deps import ApproverAuth, Ctx
-from swarm_server.errors import ApiError, NotFound
+from swarm_server.errors import ApiError, BadRequest, NotFound
 from swarm_server.ledger import SnapshotRecord
 
 __all__ = ["decide", "router"]
@@ -50,6 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"model": ErrorBody, "description": "The snapshot's state does not allow this "
                                              "decision"},
 }
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
 SnapshotRef = Annotated[str, PathParam(min_length=4, max_length=64,
                                        description="Snapshot id or unique prefix")]
 
@@ -79,14 +83,14 @@ def review(
 @router.post("/{snapshot_ref}/approve", responses=_ERRORS, summary="Approve exactly this content")
 def approve(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
             approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "approved", approver=approver,
-                  note=body.note, confirm=body.snapshot_id)
+    return decide(ctx, _exact(ctx, snapshot_ref), "approved", approver=approver,
+                  note=body.note, confirm=body.snapshot_id, base=body.base_id)
 
 
 @router.post("/{snapshot_ref}/deny", responses=_ERRORS, summary="Refuse it: it never runs")
 def deny(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
          approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "denied", approver=approver,
+    return decide(ctx, _exact(ctx, snapshot_ref), "denied", approver=approver,
                   note=body.note, confirm=body.snapshot_id)
 
 
@@ -94,29 +98,47 @@ def deny(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
              summary="Revoke an approval: it never runs again (a running engine is stopped)")
 def revoke(snapshot_ref: SnapshotRef, body: ApprovalDecisionRequest, ctx: Ctx,
            approver: ApproverAuth) -> ApprovalDecisionPublic:
-    return decide(ctx, _snapshot(ctx, snapshot_ref), "revoked", approver=approver,
+    return decide(ctx, _exact(ctx, snapshot_ref), "revoked", approver=approver,
                   note=body.note, confirm=body.snapshot_id)
 
 
 def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: str,
-           note: str, confirm: str) -> ApprovalDecisionPublic:
+           note: str, confirm: str, base: str | None = None) -> ApprovalDecisionPublic:
     """Record a decision (the API and the console share this); a refusal is audited too."""
     action = {"approved": "approve", "denied": "deny", "revoked": "revoke"}[decision]
     try:
-        result = ctx.approvals.decide(rec, decision, approver=approver, note=note,
-                                      confirm=confirm)
+        result, reopened = ctx.approvals.decide_cascading(rec, decision, approver=approver,
+                                                          note=note, confirm=confirm,
+                                                          base=base)
     except ApiError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         ctx.ledger.audit(action, f"approver:{approver}", f"refused: {str(detail)[:300]}",
                          {"snapshot_id": rec.id})
         raise
-    if decision == "revoked":
-        status = ctx.engine.status()
-        if status.snapshot_id == rec.id and status.state is not EngineState.OFFLINE:
-            ctx.engine.stop(role=f"approver:{approver}",
-                            reason=f"approval of snapshot {rec.id[:12]} revoked by {approver}")
+    stop = set(reopened) | ({rec.id} if decision == "revoked" else set())
+    status = ctx.engine.status()
+    if status.snapshot_id in stop and status.state is not EngineState.OFFLINE:
+        why = (f"approval of snapshot {rec.id[:12]} revoked by {approver}"
+               if status.snapshot_id == rec.id else
+               f"the approval of snapshot {str(status.snapshot_id)[:12]} rested on snapshot "
+               f"{rec.id[:12]}, {decision} by {approver}")
+        ctx.engine.stop(role=f"approver:{approver}", reason=why)
     return result
+
+
+def _exact(ctx: ServerContext, ref: str) -> SnapshotRecord:
+    """The snapshot named by its full id: a decision never resolves a prefix (another
+    snapshot could be uploaded with the same first characters between review and decision)."""
+    if not _FULL_ID.fullmatch(ref):
+        raise BadRequest(f"{ref[:64]!r} is not a full snapshot id: decisions take all 64 hex "
+                         "characters", "`ajet-swarm approvals show PREFIX` (or GET "
+                         "/approvals/PREFIX) prints the full id to decide on")
+    rec = ctx.snapshots.get(ref)
+    if rec is None:
+        raise NotFound(f"no snapshot {ref[:12]}... is stored",
+                       "GET /approvals lists the pending snapshots")
+    return rec
 
 
 def _snapshot(ctx: ServerContext, ref: str) -> SnapshotRecord:

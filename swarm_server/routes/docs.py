@@ -1,4 +1,5 @@
-"""Routes: the API schema and its pages (`/openapi.json`, `/docs`, `/redoc`), reader token.
+"""Routes: the API schema and its pages (`/openapi.json`, `/docs`, `/redoc`), reader token;
+and the server's index (`/`), for a reader token or an episode key (`deps.IndexAuth`).
 
 FastAPI's own schema routes carry no dependency, so they would answer anyone the first
 gate lets through, an approver token included. Served here instead, they declare their
@@ -15,7 +16,7 @@ from fastapi.openapi.docs import (
 )
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from swarm_server.deps import ReaderAuth
+from swarm_server.deps import IndexAuth, ReaderAuth
 
 __all__ = ["router"]
 
@@ -23,6 +24,18 @@ router = APIRouter(include_in_schema=False)
 
 OPENAPI_URL = "/openapi.json"
 OAUTH2_REDIRECT_URL = "/docs/oauth2-redirect"
+
+
+@router.api_route("/", methods=["GET", "HEAD"])
+async def index(request: Request, _: IndexAuth) -> JSONResponse:
+    """Where things are. Harnesses that know only a base URL and a key (Claude Code with
+    `ANTHROPIC_BASE_URL`) probe it before their first call."""
+    return JSONResponse({"service": request.app.title, "version": request.app.version,
+                         "docs": "/docs", "episode_plane": {
+                             "openai_base_url": "/v1", "anthropic_base_url": "/",
+                             "routes": ["/v1/chat/completions", "/v1/completions",
+                                        "/v1/responses", "/v1/messages",
+                                        "/v1/messages/count_tokens", "/v1/models"]}})
 
 
 @router.get(OPENAPI_URL)

@@ -2,14 +2,16 @@
 OpenAI-compatible `/v1/*`), proxied to the engine by `EpisodeGateway`.
 
 `/end_episode` and `/abort_episode` also take the original AgentJet client's body
-(`client_uuid`, `workflow_output`, ...); `ajet.original_wire` turns either shape into
+(`client_uuid`, `workflow_output`, ...); `ajet.compat.boundary` turns either shape into
 the one model the handler uses, and the reply carries `success` next to this project's
 keys. The original's own claim route, `/claim_episode`, is in `routes/original.py`.
 
 begin/end/abort need the worker or the control token. Every `/v1/*` route (chat
-completions, completions, responses, models, and a 404 for any other `/v1/` path) needs
-the episode key that `begin_episode` returned (as the OpenAI API key), and nothing else;
-its errors are OpenAI-shaped (`openai_error_body`) and keep `detail` and `hint`.
+completions, completions, responses, models, Anthropic's messages and count_tokens, and a
+404 for any other `/v1/` path) needs the episode key that `begin_episode` returned (as the
+OpenAI or Anthropic API key: `Authorization: Bearer` or `x-api-key`), and nothing else;
+its errors are OpenAI-shaped (`openai_error_body`), Anthropic-shaped on the Messages
+routes (`anthropic_error_body`), and keep `detail` and `hint`.
 
 The hot routes (`LANE_ROUTES`) are served by `swarm_server.episode_lane` without
 FastAPI's routing; their declarations here stay the source of their requirement and
@@ -25,7 +27,9 @@ from fastapi import APIRouter, Body, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import TypeAdapter, ValidationError
 
-from ajet import original_wire
+# A boundary import: /end_episode and /abort_episode read the original's body too
+from ajet.compat import boundary
+from ajet.compat.boundary import OriginalEnd
 from ajet.protocol import (
     AbortEpisodeRequest,
     BeginEpisodeRequest,
@@ -34,8 +38,7 @@ from ajet.protocol import (
     EndEpisodeResponse,
     ErrorBody,
 )
-from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
-from swarm_server.auth import bearer_token
+from swarm_server.auth import episode_key
 from swarm_server.context import ServerContext
 from swarm_server.deps import Ctx, WorkerAuth
 from swarm_server.episode_lane import LaneRoute
@@ -44,7 +47,8 @@ from swarm_server.errors import (
     NotFound,
     PayloadTooLarge,
     Unprocessable,
-    openai_error_body,
+    error_response,
+    is_anthropic_path,
 )
 from swarm_server.limits import BodyLimit
 
@@ -97,12 +101,12 @@ async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest
 
 async def _end(ctx: ServerContext, _: Request | None, body: EndEpisodeRequest | OriginalEnd
                ) -> EndEpisodeResponse:
-    return await ctx.episodes.end(_converted(original_wire.end_request, body))
+    return await ctx.episodes.end(_converted(boundary.end_request, body))
 
 
 async def _abort(ctx: ServerContext, _: Request | None,
                  body: AbortEpisodeRequest | OriginalEnd) -> dict[str, Any]:
-    return {**await ctx.episodes.abort(_converted(original_wire.abort_request, body)),
+    return {**await ctx.episodes.abort(_converted(boundary.abort_request, body)),
             "success": True}
 
 
@@ -110,7 +114,7 @@ def _converted(convert: Any, body: Any) -> Any:
     """An original body as this project's request; 422 naming the field it cannot serve."""
     try:
         return convert(body)
-    except original_wire.OriginalBodyError as exc:
+    except boundary.OriginalBodyError as exc:
         raise Unprocessable([{"loc": ["body", *exc.field.split(".")], "msg": str(exc),
                               "type": "value_error"}],
                             f"fix the field {exc.field}") from exc
@@ -147,7 +151,7 @@ async def chat_completions(
     ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """OpenAI-compatible chat for one episode; `Authorization: Bearer <episode key>`."""
-    return await _forward(ctx, request, authorization, "/v1/chat/completions")
+    return await _forward(ctx, request, "/v1/chat/completions")
 
 
 @router.post(
@@ -160,7 +164,7 @@ async def completions(
     ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """OpenAI-compatible text completion for one episode, recorded like a chat."""
-    return await _forward(ctx, request, authorization, "/v1/completions")
+    return await _forward(ctx, request, "/v1/completions")
 
 
 @router.post(
@@ -175,7 +179,48 @@ async def responses(
     ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """OpenAI Responses API for one episode: stateless, recorded exactly like chat."""
-    return await _forward(ctx, request, authorization, "/v1/responses")
+    return await _forward(ctx, request, "/v1/responses")
+
+
+_ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_OPENAI_ERRORS,
+    400: {"model": ErrorBody, "description": "a field the engine cannot honour (images, "
+                                             "documents, server tools, a prefill: named in "
+                                             "param), or a prompt over max_prompt_length"},
+}
+
+
+@router.post(
+    "/v1/messages", responses=_ANTHROPIC_ERRORS, response_model=None,
+    openapi_extra=_openai_body("Anthropic Messages body, stateless (docs/api.md)",
+                               ["max_tokens", "messages"], {
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "stream": {"type": "boolean"}, "max_tokens": {"type": "integer"}}),
+)
+async def messages(
+    ctx: Ctx, request: Request, x_api_key: Annotated[str | None, Header()] = None,
+    anthropic_version: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Anthropic's Messages API for one episode, recorded exactly like chat; the episode
+    key as `x-api-key` or `Bearer`; `?beta=true`, `anthropic-version` and `anthropic-beta`
+    accepted; Anthropic-shaped errors."""
+    return await _forward(ctx, request, "/v1/messages")
+
+
+@router.post(
+    "/v1/messages/count_tokens", responses=_ANTHROPIC_ERRORS, response_model=None,
+    openapi_extra=_openai_body("Anthropic count_tokens body (a Messages body without "
+                               "max_tokens)", ["messages"], {
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "tools": {"type": "array", "items": {"type": "object"}}}),
+)
+async def count_tokens(
+    ctx: Ctx, request: Request, x_api_key: Annotated[str | None, Header()] = None,
+) -> Response:
+    """The prompt tokens a Messages body renders to (nothing generated or recorded)."""
+    return await _forward(ctx, request, "/v1/messages/count_tokens")
 
 
 @router.get("/v1/models", responses=_ERRORS, response_model=None)
@@ -183,7 +228,7 @@ async def list_models(
     ctx: Ctx, request: Request, authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The run's model, as OpenAI's model list; `Authorization: Bearer <episode key>`."""
-    return await _forward(ctx, request, authorization, "/v1/models", with_body=False)
+    return await _forward(ctx, request, "/v1/models", with_body=False)
 
 
 @router.get("/v1/models/{model:path}", responses=_ERRORS, response_model=None)
@@ -192,40 +237,41 @@ async def retrieve_model(
     authorization: Annotated[str | None, Header()] = None,
 ) -> Response:
     """The run's model by name (404 for another name)."""
-    return await _forward(ctx, request, authorization, f"/v1/models/{quote(model, safe='/')}",
+    return await _forward(ctx, request, f"/v1/models/{quote(model, safe='/')}",
                           with_body=False)
 
 
 @router.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
                   include_in_schema=False)
-async def unknown_openai_route(
-    ctx: Ctx, rest: str, authorization: Annotated[str | None, Header()] = None,
-) -> Response:
-    """Any other `/v1/` path: an OpenAI-shaped 404, once the episode key is checked."""
+async def unknown_openai_route(ctx: Ctx, request: Request, rest: str) -> Response:
+    """Any other `/v1/` path: an OpenAI-shaped 404 (Anthropic-shaped under
+    `/v1/messages/`), once the episode key is checked."""
+    path = f"/v1/{rest}"
     try:
-        ctx.episodes.authorize(bearer_token(authorization))
+        ctx.episodes.authorize(episode_key(request.headers))
     except ApiError as exc:
-        return _openai_error(exc)
-    return _openai_error(NotFound(f"/v1/{rest} is not served on the episode plane",
-                                  "the episode plane serves /v1/chat/completions, "
-                                  "/v1/completions, /v1/responses and /v1/models"))
+        return _wire_error(exc, path)
+    return _wire_error(NotFound(f"{path} is not served on the episode plane",
+                                "the episode plane serves /v1/chat/completions, "
+                                "/v1/completions, /v1/responses, /v1/messages, "
+                                "/v1/messages/count_tokens and /v1/models"), path)
 
 
-async def _forward(ctx: Ctx, request: Request, authorization: str | None, path: str, *,
-                   with_body: bool = True) -> Response:
+async def _forward(ctx: Ctx, request: Request, path: str, *, with_body: bool = True
+                   ) -> Response:
     try:
         body = await _read_bounded(request, ctx.settings.max_json_bytes) if with_body else None
-        return await ctx.episodes.openai(bearer_token(authorization), method=request.method,
+        return await ctx.episodes.openai(episode_key(request.headers), method=request.method,
                                          path=path, body=body)
     except ApiError as exc:
-        return _openai_error(exc)
+        return _wire_error(exc, path)
 
 
-def _openai_error(exc: ApiError) -> JSONResponse:
-    # {"detail", "hint"} like every route, plus OpenAI's {"error": {...}} so that an OpenAI
-    # client's exception message says what happened and what to do
-    return JSONResponse(openai_error_body(exc.status, exc.detail, exc.hint, param=exc.param),
-                        status_code=exc.status, headers=exc.headers)
+def _wire_error(exc: ApiError, path: str) -> JSONResponse:
+    # {"detail", "hint"} like every route, plus OpenAI's {"error": {...}} (Anthropic's on
+    # the Messages routes) so that the client's exception message says what happened and
+    # what to do
+    return error_response(exc, openai=True, anthropic=is_anthropic_path(path))
 
 
 async def _read_bounded(request: Request, limit: int) -> bytes:
@@ -242,7 +288,7 @@ async def _read_bounded(request: Request, limit: int) -> bytes:
 
 def _forwarded(path: str) -> Any:
     async def handler(ctx: ServerContext, request: Request, _: None) -> Response:
-        return await _forward(ctx, request, request.headers.get("authorization"), path)
+        return await _forward(ctx, request, path)
 
     return handler
 
@@ -261,4 +307,8 @@ LANE_ROUTES = (
     LaneRoute("POST", "/v1/completions", completions, _forwarded("/v1/completions"),
               openai=True),
     LaneRoute("POST", "/v1/responses", responses, _forwarded("/v1/responses"), openai=True),
+    LaneRoute("POST", "/v1/messages", messages, _forwarded("/v1/messages"), openai=True,
+              anthropic=True),
+    LaneRoute("POST", "/v1/messages/count_tokens", count_tokens,
+              _forwarded("/v1/messages/count_tokens"), openai=True, anthropic=True),
 )

@@ -20,18 +20,18 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
 
-from ajet.original_wire import claim_fail_cause
-from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
-from ajet.tuner_lib.experimental.interchange_utils import (
+from ajet.compat.boundary import claim_fail_cause
+from ajet.compat.wire import (
     AgreeSyncWeightRequest,
     BoolResponse,
     CanContinueEpisodeRequest,
     CanContinueEpisodeResponse,
     ClaimEpisodeRequest,
     ClaimEpisodeResponse,
+    CurrentBatchRolloutPoolInformation,
     EpisodeBufferResponse,
 )
-from ajet.tuner_lib.experimental.swarm_overwatch_utils import CurrentBatchRolloutPoolInformation
+from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
 from swarm_server.deps import Ctx, WorkerAuth
 from swarm_server.errors import ApiError, Unprocessable
 
@@ -71,7 +71,8 @@ async def claim_episode(ctx: Ctx, _: WorkerAuth, request: Request, body: ClaimEp
     return ClaimEpisodeResponse(success=True, client_uuid=body.client_uuid,
                                 episode_uuid=episode.episode_uuid,
                                 openai_base_url=episode.openai_base_url,
-                                openai_api_key=episode.openai_api_key)
+                                openai_api_key=episode.openai_api_key,
+                                anthropic_base_url=episode.anthropic_base_url or "")
 
 
 @router.get("/get_current_batch_rollout_pool_information", responses=_ERRORS)

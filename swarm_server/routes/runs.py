@@ -1,32 +1,47 @@
-"""Routes: the runs ledger (list, one run, metrics, logs) and the audit log.
+"""Routes: the runs ledger (list, one run, metrics, logs, checkpoints) and the audit log.
 
 `current` as a run id means the engine's current run, or the last run if none is live.
 Metrics and logs are read from the run directory on every request, so they stay
-available after the run (and the server) ended.
+available after the run (and the server) ended. A run's checkpoints are listed, hashed
+and handed out as a tar (`swarm_server/checkpoint_files.py`) with the control token:
+the archive is the same bytes at every request, so a `Range` request resumes a download.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import re
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Header, Path, Query
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from ajet.protocol import (
     SERVER_CODE,
     AuditEntry,
     AuditPage,
+    CheckpointFileHash,
+    CheckpointInfo,
+    CheckpointManifest,
+    CheckpointsPage,
     ErrorBody,
     LogsResponse,
     MetricsResponse,
     Provenance,
     RunPublic,
     RunsPage,
+    SamplePublic,
+    SamplesPage,
 )
 from swarm_server.context import ServerContext
+from swarm_server.checkpoint_files import TarLayout, checkpoint_dir, checkpoint_manifest, \
+    list_checkpoints
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
-from swarm_server.errors import BadRequest, NotFound
+from swarm_server.errors import ApiError, BadRequest, EngineStateError, NotFound, \
+    PayloadTooLarge
 from swarm_server.ledger import OPEN_RUN_STATUSES, RunRecord
 from swarm_server.run_files import (
     LogPattern,
@@ -35,6 +50,9 @@ from swarm_server.run_files import (
     downsample,
     read_log_lines,
     read_metrics,
+    read_samples,
+    read_trackers,
+    sample_steps,
     summarize,
 )
 
@@ -49,6 +67,9 @@ MAX_REGEX_CHARS = 200
 CURRENT = "current"
 #: Paging offsets stay far inside SQLite's 64-bit integers (a larger one was a 500).
 MAX_OFFSET = 1_000_000_000
+#: A samples page: at most this many samples, and about this many bytes of them.
+MAX_SAMPLES_PAGE = 200
+MAX_SAMPLES_BYTES = 4 * 1024 * 1024
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "Missing or wrong token"},
@@ -145,12 +166,45 @@ def get_logs(
     try:
         lines, total, truncated = read_log_lines(
             ctx.engine.run_dir(rec.id) / "engine.log", tail=tail,
-            grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget)
+            grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget,
+            redact=ctx.settings.secret_values())
     except LogSearchTimeout as exc:
         raise BadRequest(f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
                          "use a simpler pattern (no nested or overlapping repetition), "
                          "search a plain substring (regex=false), or lower tail") from exc
     return LogsResponse(run_id=rec.id, lines=lines, total_lines=total, truncated=truncated)
+
+
+@router.get("/runs/{run_id}/samples", responses=_ERRORS)
+def get_samples(
+    ctx: Ctx, _: ReaderAuth, run_id: RunId,
+    step: Annotated[int, Query(ge=1, le=MAX_OFFSET, description="The training step")],
+    offset: Annotated[int, Query(ge=0, le=MAX_OFFSET, description="First sample to return")
+                      ] = 0,
+    limit: Annotated[int, Query(ge=1, le=MAX_SAMPLES_PAGE, description="Samples per page")
+                     ] = 20,
+) -> SamplesPage:
+    """A step's training samples: each timeline's token ids, decoded text, loss mask,
+    log-probs and the completions it merged (the engine's `samples/samples-<step>.jsonl`).
+
+    A page holds at most `limit` samples and about `MAX_SAMPLES_BYTES` of them (always
+    at least one); `next_offset` says where the next page starts.
+    """
+    rec = _resolve(ctx, run_id)
+    folder = ctx.engine.run_dir(rec.id) / "samples"
+    try:
+        samples, total, next_offset = read_samples(folder / f"samples-{step}.jsonl",
+                                                   offset=offset, limit=limit,
+                                                   max_bytes=MAX_SAMPLES_BYTES)
+    except FileNotFoundError:
+        steps = sample_steps(folder)
+        raise NotFound(f"run {rec.id} has no samples for step {step}",
+                       f"steps with samples: {_ranges(steps)}" if steps else
+                       "samples are written at each training step; read metrics for the "
+                       "steps done (GET /runs/{id}/metrics)") from None
+    return SamplesPage(run_id=rec.id, step=step, samples=[SamplePublic.model_validate(s)
+                                                          for s in samples],
+                       total=total, offset=offset, next_offset=next_offset)
 
 
 @router.get("/audit", responses={**_ERRORS, 403: {"model": ErrorBody}})
@@ -196,6 +250,7 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
         status=rec.status, final_state=rec.final_state, exit_code=rec.exit_code,
         reason=rec.reason, last_step=last_step, summary=summary,
         provenance=_provenance(ctx, rec.snapshot_id) if full else None,
+        trackers=read_trackers(ctx.engine.run_dir(rec.id)),
     )
 
 
@@ -210,3 +265,112 @@ def _provenance(ctx: ServerContext, snapshot_id: str) -> Provenance | None:
     except ValidationError as exc:
         log.warning("snapshot %s has unreadable provenance: %s", snapshot_id, exc)
         return None
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+CheckpointName = Annotated[str, Path(max_length=40, pattern=r"^(final|step_\d{1,9})(\.partial)?$",
+                                     description="final or step_<n> (GET .../checkpoints)")]
+
+
+class RangeNotSatisfiable(ApiError):
+    status = 416
+
+
+@router.get("/runs/{run_id}/checkpoints", responses=_ERRORS)
+def get_checkpoints(ctx: Ctx, _: ReaderAuth, run_id: RunId) -> CheckpointsPage:
+    """A run's checkpoints: name, step, kind, size, complete or not."""
+    rec = _resolve(ctx, run_id)
+    found = list_checkpoints(ctx.engine.run_dir(rec.id))
+    return CheckpointsPage(run_id=rec.id, checkpoints=[CheckpointInfo(**c) for c in found])
+
+
+@router.get("/runs/{run_id}/checkpoints/{name}", responses=_ERRORS)
+def get_checkpoint_manifest(ctx: Ctx, _: ControlAuth, run_id: RunId,
+                            name: CheckpointName) -> CheckpointManifest:
+    """Every file of a checkpoint with its size and sha256: what a download is checked
+    against (`ajet-swarm runs download`, `SwarmClient.download_checkpoint`)."""
+    rec, folder = _checkpoint(ctx, run_id, name)
+    files = checkpoint_manifest(folder, ctx.engine.run_dir(rec.id) / ".checkpoint_manifests")
+    layout = TarLayout(folder, name)
+    return CheckpointManifest(run_id=rec.id, name=name,
+                              files=[CheckpointFileHash(**f) for f in files],
+                              archive_bytes=layout.size, etag=_etag(files))
+
+
+@router.get("/runs/{run_id}/checkpoints/{name}/archive",
+            responses={**_ERRORS, 206: {"description": "The requested byte range"},
+                       409: {"model": ErrorBody, "description": "Not complete yet"},
+                       413: {"model": ErrorBody, "description": "Over the archive bound"},
+                       416: {"model": ErrorBody, "description": "Range outside the archive"}},
+            response_class=StreamingResponse)
+def get_checkpoint_archive(
+    ctx: Ctx, role: ControlAuth, run_id: RunId, name: CheckpointName,
+    range_header: Annotated[str | None, Header(alias="Range", max_length=100)] = None,
+    if_range: Annotated[str | None, Header(alias="If-Range", max_length=100)] = None,
+) -> StreamingResponse:
+    """A complete checkpoint as a tar (members under `<name>/`). Sorted entries, times
+    and owners 0: the same bytes every time, so `Range: bytes=N-` resumes a download."""
+    rec, folder = _checkpoint(ctx, run_id, name)
+    if name.endswith(".partial") or not (folder / "ajet_checkpoint.json").is_file():
+        raise EngineStateError(f"checkpoint {name} of run {rec.id} is not complete",
+                               f"download a complete one (GET /runs/{rec.id}/checkpoints)")
+    layout = TarLayout(folder, name)
+    if layout.size > ctx.settings.max_checkpoint_archive_bytes:
+        raise PayloadTooLarge(
+            f"checkpoint {name} is {layout.size} bytes, over the server's bound of "
+            f"{ctx.settings.max_checkpoint_archive_bytes}",
+            "copy it on the cluster, or raise AJET_SWARM_MAX_CHECKPOINT_ARCHIVE_BYTES")
+    files = checkpoint_manifest(folder, ctx.engine.run_dir(rec.id) / ".checkpoint_manifests")
+    etag = _etag(files)
+    start, end = 0, layout.size
+    status = 200
+    if range_header and (if_range is None or if_range == etag):
+        start, end = _byte_range(range_header, layout.size)
+        status = 206
+    headers = {"Accept-Ranges": "bytes", "ETag": etag, "Content-Length": str(end - start),
+               "Content-Disposition": f'attachment; filename="{rec.id}-{name}.tar"'}
+    if status == 206:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{layout.size}"
+    ctx.ledger.audit("download_checkpoint", role, "ok",
+                     {"run_id": rec.id, "name": name, "start": start, "end": end})
+    return StreamingResponse(layout.read(start, end), status_code=status, headers=headers,
+                             media_type="application/x-tar")
+
+
+def _checkpoint(ctx: ServerContext, run_id: str, name: str) -> tuple[RunRecord, Any]:
+    rec = _resolve(ctx, run_id)
+    folder = checkpoint_dir(ctx.engine.run_dir(rec.id), name)
+    if folder is None:
+        raise NotFound(f"run {rec.id} has no checkpoint {name!r}",
+                       f"list them with GET /runs/{rec.id}/checkpoints")
+    return rec, folder
+
+
+def _etag(files: list[dict[str, Any]]) -> str:
+    blob = json.dumps([[f["path"], f["size"], f["sha256"]] for f in files]).encode()
+    return '"' + hashlib.sha256(blob).hexdigest()[:32] + '"'
+
+
+def _byte_range(header: str, size: int) -> tuple[int, int]:
+    """[start, end) of a single `bytes=a-b`, `bytes=a-` or `bytes=-n` range."""
+    match = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
+    if not match or match.groups() == ("", ""):
+        raise RangeNotSatisfiable(f"Range {header!r} is not one byte range",
+                                  "send Range: bytes=START- (or START-END)",
+                                  headers={"Content-Range": f"bytes */{size}"})
+    first, last = match.groups()
+    if first == "":
+        start, end = max(0, size - int(last)), size
+    else:
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise RangeNotSatisfiable(f"Range {header!r} is outside the archive ({size} bytes)",
+                                  "resume from a byte before the archive's size",
+                                  headers={"Content-Range": f"bytes */{size}"})
+    return start, end
+
+
+def _ranges(steps: list[int]) -> str:
+    return f"{steps[0]}..{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -6,34 +6,42 @@
     GET  /ui/snapshots/{ref}?offset=    the review (the server-side diff, highlighted and
                                         escaped, paged), flags, the claimed provenance, and
                                         Approve / Deny / Revoke for an approver
-    POST /ui/snapshots/{ref}/decide     form: csrf, action, confirm (the id's first 12
-                                        characters), note; an approver session only
+    POST /ui/snapshots/{id}/decide      form: csrf, action, snapshot_id (the full id),
+                                        confirm (the id's first 12 characters, typed),
+                                        note; an approver session only; the full id in
+                                        the address too, never a prefix
     GET  /ui/runs?run=&metric=          runs (state, snapshot, config changes from the previous
                                         run, start/end, exit reason), curves per run, log tail
 
 Every page needs a session (`deps.ConsoleAuth`); tokens travel only in the sign-in form's
-body. Decisions go through `routes.approvals.decide`, like the API, so they show at once
+body. Sign-in is throttled per source and overall, refused from another origin, and
+every failure is audited; its body is read under the anonymous bound
+(`limits.ANONYMOUS_BODY_BYTES`). Notices come from the session, never the URL. Decisions go through `routes.approvals.decide`, like the API, so they show at once
 in the API, the CLI and the bridge's next answer. Pages run no JavaScript.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
+from dataclasses import dataclass
 from importlib import resources
 from typing import Annotated, Any, Literal
 
 import yaml
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, PackageLoader, select_autoescape
+from starlette.datastructures import Headers
 
 from ajet.code_review import escape_text
 from ajet.protocol import SERVER_CODE
 from swarm_server.auth import approver_of, bearer_token, role_of
 from swarm_server.context import ServerContext
 from swarm_server.deps import ConsoleAuth, Ctx
-from swarm_server.errors import ApiError, NotFound
+from swarm_server.errors import ApiError, Forbidden, NotFound
+from swarm_server.limits import ANONYMOUS_BODY_BYTES, AnonymousGate, BodyLimit
 from swarm_server.ledger import RunRecord, SnapshotRecord
 from swarm_server.routes.approvals import decide
 from swarm_server.run_files import read_log_lines, read_metrics
@@ -52,6 +60,9 @@ _env.filters["esc"] = escape_text
 _env.filters["datetime"] = lambda ts: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 _PAGE_LINES = 400
 _CONFIRM_CHARS = 12
+_FULL_ID = re.compile(r"[0-9a-f]{64}")
+#: The sign-in form is read before anyone is known: a token field and little else.
+SIGN_IN_BODY = BodyLimit(bound=lambda ctx: ANONYMOUS_BODY_BYTES, knob="(fixed)")
 _SECURITY_HEADERS = {
     "Content-Security-Policy": "default-src 'none'; style-src 'self'; img-src 'self'; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
@@ -78,6 +89,68 @@ def _redirect(to: str) -> RedirectResponse:
 # ---------------------------------------------------------------------------- sign in
 
 
+def _source(scope: Any) -> str:
+    client = scope.get("client")
+    return str(client[0]) if client else "?"
+
+
+def _foreign_origin(scope: Any) -> str | None:
+    """The other site a sign-in form came from, or None when it came from this console.
+
+    A browser says where a form was sent from (`Sec-Fetch-Site`, else `Origin`); without
+    this check another site could sign a visitor in with a token of its own (login
+    CSRF). A page cannot make the browser lie in either, nor add `X-Forwarded-Host` to a
+    form post, so behind a reverse proxy the origin may match that header or `Host`
+    (the scheme is not compared: TLS may end at the proxy). A client that sends neither
+    header is no browser, and is let through.
+    """
+    headers = Headers(scope=scope)
+    site = headers.get("sec-fetch-site")
+    if site is not None:
+        return None if site.lower() in ("same-origin", "none") else f"Sec-Fetch-Site: {site}"
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    netloc = origin.partition("://")[2].rstrip("/").lower()
+    ours = {h.strip().lower() for h in (headers.get("host", ""),
+                                        *headers.get("x-forwarded-host", "").split(",")) if h}
+    return None if netloc in ours else origin
+
+
+class _TooManySignIns(ApiError):
+    status = 429
+
+
+@dataclass(frozen=True)
+class SignInGate(AnonymousGate):
+    """Whether a sign-in may proceed, from its headers alone: the limits middleware asks
+    before a byte of the form is read (and so before any `100 Continue`).
+
+    Past the throttle (`SignInThrottle`, per source and overall): 429 with `Retry-After`.
+    Another origin: 403. Both are audited (a throttled source once per window).
+    """
+
+    def admit(self, scope: Any) -> None:
+        state = scope["app"].state
+        ledger = state.ctx.ledger
+        source = _source(scope)
+        # the throttle first: every attempt counts, so audit entries are bounded too
+        wait_s, first = state.sign_in_throttle.attempt(source)
+        if wait_s:
+            if first:  # one entry per source and window, not one per refused attempt
+                ledger.audit("console_sign_in", "anonymous", "refused: rate limited",
+                             {"source": source})
+            raise _TooManySignIns(f"too many sign-in attempts; wait {wait_s:.0f} s",
+                                  "sign in again after the wait",
+                                  headers={"Retry-After": str(max(1, round(wait_s)))})
+        foreign = _foreign_origin(scope)
+        if foreign is not None:
+            ledger.audit("console_sign_in", "anonymous", "refused: another origin",
+                         {"source": source, "origin": foreign[:200]})
+            raise Forbidden("this sign-in form was sent from another site",
+                            "open the console at its own address and sign in there")
+
+
 @router.get("")
 def home() -> Response:
     return _redirect("/ui/approvals")
@@ -88,9 +161,10 @@ def login_page(request: Request, ctx: Ctx) -> Response:
     return _page("login.html", request, ctx, None, message=None)
 
 
-@router.post("/login")
-def login(request: Request, ctx: Ctx, token: Annotated[str, Form(max_length=4096)] = ""
+@router.post("/login", dependencies=[Depends(SIGN_IN_BODY), Depends(SignInGate())])
+def login(request: Request, ctx: Ctx, token: Annotated[str, Form(max_length=1024)] = ""
           ) -> Response:
+    source = _source(request.scope)
     token = bearer_token(f"Bearer {token}") or ""
     name = approver_of(ctx.settings, token)
     role = role_of(ctx.settings, token) if name is None else None
@@ -102,8 +176,12 @@ def login(request: Request, ctx: Ctx, token: Annotated[str, Form(max_length=4096
     else:
         why = ("the worker token cannot sign in" if role == "worker"
                else "that is no approver token and not the control token")
+        ctx.ledger.audit("console_sign_in", "worker" if role == "worker" else "anonymous",
+                         "refused: " + ("worker token" if role == "worker" else "wrong token"),
+                         {"source": source})
         return _page("login.html", request, ctx, None, status_code=401, message=why)
-    ctx.ledger.audit("console_sign_in", f"approver:{name}" if name else "control", "ok", {})
+    ctx.ledger.audit("console_sign_in", f"approver:{name}" if name else "control", "ok",
+                     {"source": source})
     response = _redirect("/ui/approvals")
     response.set_cookie(COOKIE, session.sid, max_age=int(store.ttl_s), path="/ui",
                         httponly=True, samesite="strict",
@@ -147,9 +225,11 @@ def snapshots_page(request: Request, ctx: Ctx, session: ConsoleAuth) -> Response
 
 @router.get("/snapshots/{snapshot_ref}")
 def snapshot_page(request: Request, ctx: Ctx, session: ConsoleAuth, snapshot_ref: str,
-                  offset: Annotated[int, Query(ge=0, le=100_000_000)] = 0,
-                  message: Annotated[str | None, Query(max_length=200)] = None) -> Response:
+                  offset: Annotated[int, Query(ge=0, le=100_000_000)] = 0) -> Response:
     rec = _resolve(ctx, snapshot_ref)
+    # the notice comes from this session's own state, never from the URL: a link that
+    # anyone can write must not put words where real decisions are announced
+    message = request.app.state.console_sessions.take_notice(session.sid, rec.id)
     review, base_id, base_reason = ctx.approvals.review(rec)
     lines, next_offset = review.page(offset, _PAGE_LINES)
     files = review.files
@@ -172,26 +252,38 @@ def decide_form(
     csrf: Annotated[str | None, Form(max_length=200)] = None,
     confirm: Annotated[str, Form(max_length=64)] = "",
     note: Annotated[str, Form(max_length=2000)] = "",
+    snapshot_id: Annotated[str, Form(max_length=64)] = "",
+    base_id: Annotated[str | None, Form(max_length=64)] = None,
 ) -> Response:
     _require_csrf(session, csrf)
-    rec = _resolve(ctx, snapshot_ref)
     if not session.can_approve:
         return _page("error.html", request, ctx, session, status_code=403,
                      title="Looking only",
                      text="This session signed in with the control token: it can look, not "
                           "approve. Sign in with your approver token to decide.")
+    # the exact id, in the form's address and again in the form: never a prefix
+    rec = ctx.snapshots.get(snapshot_ref) if _FULL_ID.fullmatch(snapshot_ref) else None
+    if rec is None or snapshot_id != rec.id:
+        return _page("error.html", request, ctx, session, status_code=400,
+                     title="Not decided",
+                     text="a decision names the full snapshot id it was shown for; open the "
+                          "snapshot's page from /ui/approvals and decide there")
+    store = request.app.state.console_sessions
     if confirm.strip().lower() != rec.id[:_CONFIRM_CHARS]:
-        return _redirect(f"/ui/snapshots/{rec.id}?message=confirmation+did+not+match+the+"
-                         "snapshot+id%3B+nothing+was+decided")
+        store.notify(session.sid, rec.id,
+                     "the confirmation did not match the snapshot id; nothing was decided")
+        return _redirect(f"/ui/snapshots/{rec.id}")
     decision = {"approve": "approved", "deny": "denied", "revoke": "revoked"}[action]
     try:
-        decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id)
+        decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id,
+               base=base_id or None)
     except ApiError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         return _page("error.html", request, ctx, session, status_code=exc.status,
                      title="Not decided", text=str(detail))
-    return _redirect(f"/ui/snapshots/{rec.id}?message=decision+recorded%3A+{decision}")
+    store.notify(session.sid, rec.id, f"decision recorded: {decision}")
+    return _redirect(f"/ui/snapshots/{rec.id}")
 
 
 # ---------------------------------------------------------------------------- runs
@@ -220,7 +312,8 @@ def runs_page(request: Request, ctx: Ctx, session: ConsoleAuth,
     latest = ctx.engine.latest_run_id()
     tail: list[str] = []
     if latest:
-        tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40)
+        tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40,
+                                    redact=ctx.settings.secret_values())
     metrics = sorted(names | set(_METRICS)) if names else list(_METRICS)
     return _page("runs.html", request, ctx, session, status=ctx.engine.status(), rows=rows,
                  total=total, chosen=chosen, metric=metric, metrics=metrics,

@@ -48,7 +48,15 @@ def fake_server(server_factory: ServerFactory) -> Iterator[Server]:
 def test_compatibility_import_path() -> None:
     from ajet.tuner_lib.experimental.swarm_client import SwarmClient as Compat
 
-    assert Compat is SwarmClient
+    # the original's class is the typed client plus the original names; the typed one has
+    # one name per action and none of the original's
+    assert issubclass(Compat, SwarmClient) and Compat is not SwarmClient
+    for name in ("get_engine_status", "begin_episode", "end_episode", "sync_train_config",
+                 "start_engine", "stop_engine", "abort_episode", "client_uuid"):
+        assert hasattr(Compat, name) or name == "client_uuid", name
+        assert not hasattr(SwarmClient, name), name
+    with Compat("http://127.0.0.1:9", False) as compat:
+        assert compat.client_uuid and compat.verbose is False
 
 
 def test_errors_are_typed_and_carry_detail_and_hint(fake_server: Server) -> None:

@@ -16,6 +16,7 @@ from ajet.packaging import (
     MANIFEST_HEADER,
     build_zip,
     canonical_manifest,
+    folder_snapshot_id,
     member_path_problem,
     package_tree,
     snapshot_id_of,
@@ -92,6 +93,24 @@ def test_clean_tree_provenance_and_stable_id(tmp_path: Path) -> None:
     os.chmod(repo / "ajet" / "run.sh", 0o755)
     (repo / "ajet" / "engine" / "rewards.py").write_text("def reward(x):\n    return 2.0\n")
     assert package_tree(repo).snapshot_id != first.snapshot_id
+
+
+def test_a_folder_on_disk_has_its_snapshots_id_whatever_it_is_called(tmp_path: Path) -> None:
+    import shutil
+
+    repo = small_repo(tmp_path / "r")
+    package = package_tree(repo)
+    # as a server keeps it: another folder name, owner-only modes, bytecode beside it
+    copy = tmp_path / "node1" / "ajet_temp" / "20250102_101010_000001" / "ajet"
+    shutil.copytree(repo / "ajet", copy)
+    for path in copy.rglob("*"):
+        if path.is_file():
+            os.chmod(path, path.stat().st_mode & 0o700)
+    (copy / "__pycache__").mkdir()
+    (copy / "__pycache__" / "x.cpython-311.pyc").write_bytes(b"bytecode")
+    assert folder_snapshot_id(copy) == package.snapshot_id
+    (copy / "engine" / "rewards.py").write_text("def reward(x):\n    return 2.0\n")
+    assert folder_snapshot_id(copy) != package.snapshot_id
 
 
 def test_subfolder_of_a_repository(tmp_path: Path) -> None:

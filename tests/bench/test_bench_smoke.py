@@ -130,6 +130,15 @@ def test_memory_plan(ctx: BenchContext) -> None:
     assert len(rows) == 4 and all(r.reference and r.reference > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_timelines(ctx: BenchContext) -> None:
+    rows = _run_module("timelines", ctx)
+    tokens = [r for r in rows if "tokens through the forward" in r.name]
+    assert len(rows) == 4 and len(tokens) == 2
+    # counts, not timings: the merged episode puts fewer tokens through the forward
+    assert all(r.ratio is not None and r.ratio < 1 / 3 for r in tokens), tokens
+
+
 def test_cli_prints_one_table_writes_it_and_reports_a_failed_module(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,10 +1,12 @@
-"""`bench/gpu_check.py` on this CPU-only machine: it says it needs a GPU and exits 0, and
-its CPU smoke run goes through the same engine code (FSDP2 over a one-rank gloo group,
-activation checkpointing, generation, the planner) with pydantic, httpx and yaml
-unimportable from ajet, as on a bare GPU host."""
+"""`bench/gpu_check.py` on this CPU-only machine: it says it needs a GPU and exits 0, it
+fails when `nvidia-smi` lists GPUs torch cannot use, and its CPU smoke runs go through the
+same engine code (one process with LoRA and a KL term, FSDP2 over a one-rank gloo group,
+checkpoints saved and loaded, generation, the planner; `--ranks 2` on two gloo ranks)
+with pydantic, httpx and yaml unimportable from ajet, as on a bare GPU host."""
 
 from __future__ import annotations
 
+import os
 import runpy
 import subprocess
 import sys
@@ -39,10 +41,15 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _run(*args: str) -> subprocess.CompletedProcess[str]:
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(SCRIPT), *args],
-                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=240,
-                          check=False)
+                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300,
+                          check=False, env=env)
+
+
+SMOKE = ("--device", "cpu", "--dtype", "float32", "--shape", "small", "--groups", "2",
+         "--group-size", "2", "--prompt-tokens", "32", "--response-tokens", "16",
+         "--micro-batch-tokens", "64", "--new-tokens", "8")
 
 
 def test_without_a_gpu_it_says_so_and_exits_0() -> None:
@@ -54,16 +61,107 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
 
 @pytest.mark.slow
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
-    result = _run("--device", "cpu", "--dtype", "float32", "--shape", "small", "--steps", "2",
-                  "--groups", "2", "--group-size", "2", "--prompt-tokens", "32",
-                  "--response-tokens", "16", "--micro-batch-tokens", "64", "--requests", "8",
-                  "--new-tokens", "8")
+    # in bf16, as on a GPU: an fp32 copy under autocast, the publication cast to bf16
+    result = _run(*SMOKE, "--dtype", "bfloat16", "--steps", "2", "--requests", "8")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "FSDP2 over a 1-rank gloo group" in out and "activation checkpointing on" in out
+    assert "phase 1, one process: an fp32 copy under bfloat16 autocast" in out
+    assert "LoRA rank 16" in out
+    assert "FSDP2 over a 1-rank gloo group (control on gloo): float32 masters + bfloat16" in out
+    assert "activation checkpointing on" in out and "a frozen KL reference" in out
+    # rollout -> update -> rollout in both phases, and a checkpoint that loads back
+    assert out.count("rollout on the new weights") == 2
+    assert out.count("published weights of the save, exactly") == 2
+    assert "adapter_model.safetensors" in out and "model.safetensors" in out
     for line in ("step time:", "decode", "tokens/s", "peak memory:", "planner:",
-                 "gpu_check: OK"):
+                 "publication", "gpu_check: OK"):
         assert line in out, out
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_generate_on_every_rank_around_each_update() -> None:
+    result = _run(*SMOKE, "--ranks", "2", "--cycles", "1", "--requests", "4", "--grace", "3")
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "ranks: 2 under torchrun (gloo for tensors, gloo for control)" in out
+    for label in ("rollout 1:", "rollout 2 (after the last update):"):
+        line = next(x for x in out.splitlines() if label in x)
+        assert "rank 0 4/4" in line and "rank 1 4/4" in line, line
+    assert "update 1:" in out and "over 2 ranks" in out and "gpu_check: OK" in out
+
+
+@pytest.mark.slow
+def test_a_rank_whose_generation_is_held_back_during_the_wait_fails_the_check(
+        tmp_path: Path) -> None:
+    module = runpy.run_path(str(SCRIPT))
+    model = tmp_path / "small-random"
+    module["build_checkpoint"](model, "small", device="cpu")
+    probe = Path(__file__).with_name("stall_probe.py")
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+         "--max_restarts=0", str(probe), *SMOKE, "--cycles", "1", "--requests", "4",
+         "--grace", "2", "--workdir", str(tmp_path), "--model-dir", str(model)],
+        capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=env, check=False)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "requests stalled on rank 1 (0 of 4 done)" in result.stdout, result.stdout
+
+
+def test_nvidia_smi_listing_gpus_torch_cannot_use_fails_the_check(tmp_path: Path) -> None:
+    """The false pass of a driver too old for the wheel: here torch is a CPU build."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n"
+                   "echo 'GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-1)'\n")
+    smi.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    result = _run(env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "GPU CHECK FAILED" in result.stdout
+    assert "nvidia-smi lists 2 GPU(s)" in result.stdout and "can use 0" in result.stdout
+
+
+def test_the_gpu_count_comparison() -> None:
+    module = runpy.run_path(str(SCRIPT))
+    problem, listed = module["gpu_visibility_problem"], module["listed_gpus"]
+    smi = ("GPU 0: NVIDIA H200 (UUID: GPU-a)\nGPU 1: NVIDIA H200 (UUID: GPU-b)\n"
+           "  MIG 1g.18gb Device 0: (UUID: MIG-c)\n")
+    assert listed(smi) == 2 and listed("") == 0
+    assert problem(None, None, 0) is None  # no nvidia-smi: nothing to compare with
+    assert problem(0, None, 0) is None
+    assert problem(2, None, 2) is None
+    text = problem(2, None, 0, torch_version="2.13.0", torch_cuda=None)
+    assert "lists 2 GPU(s)" in text and "a CPU-only build" in text and "can use 0" in text
+    assert "CUDA 12.8" in problem(8, None, 0, torch_cuda="12.8")
+    # CUDA_VISIBLE_DEVICES narrows what torch should see
+    assert problem(8, "0,1", 2) is None
+    assert "2 with CUDA_VISIBLE_DEVICES='0,1'" in problem(8, "0,1", 1)
+    assert problem(8, "", 0) is None and problem(8, "-1", 0) is None
+    assert problem(8, "3,-1,4", 1) is None
+
+
+def test_ranks_needs_as_many_gpus_or_skips() -> None:
+    module = runpy.run_path(str(SCRIPT))
+    unavailable = module["ranks_unavailable"]
+    assert unavailable(2, 8) is None and unavailable(8, 8) is None
+    text = unavailable(2, 1)
+    assert "this host has 1 GPU(s)" in text and "skipped" in text
+
+
+def test_help_describes_both_modes() -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
+                            text=True, cwd=PROJECT_ROOT, timeout=60, check=False)
+    assert result.returncode == 0 and "--ranks" in result.stdout, result.stderr
+
+
+def test_a_stalled_rank_is_named() -> None:
+    ranks = runpy.run_path(str(SCRIPT.with_name("gpu_check_ranks.py")), run_name="not_main")
+    rows = [{"done": 4, "submitted": 4, "error": None},
+            {"done": 0, "submitted": 4, "error": None},
+            {"done": 3, "submitted": 4, "error": "RuntimeError('x')"}]
+    assert ranks["stalled_ranks"](rows) == ["rank 1 (0 of 4 done)",
+                                            "rank 2 (3 of 4 done, failed: RuntimeError('x'))"]
+    assert ranks["stalled_ranks"](rows[:1]) == []
 
 
 def test_the_blocker_would_catch_a_client_import() -> None:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from ajet.copilot.job import NO_EFFECT, AgentJetJob, JobValidationError
-from ajet.original_wire import (
+from ajet.compat.boundary import (
     STEP_REWARD_REFUSED,
     OriginalBodyError,
     end_request_from_original,
@@ -65,6 +65,8 @@ def test_original_import_paths() -> None:
     assert RouterTaskReader and PeriodicDrainThreadPoolExecutor
     api = OpenaiBaseUrlAndApiKey(base_url="http://h:1/v1", api_key="k", episode_uuid="e")
     assert api.base_url.endswith("/v1") and api.model == "reserved_field"
+    claude = api.as_raw_anthropic_sdk_client()  # the server root, without /v1
+    assert str(claude.base_url).rstrip("/") == "http://h:1" and claude.api_key == "k"
     for name in ORIGINAL_CLIENT_METHODS:
         assert callable(getattr(swarm_client.SwarmClient, name)), name
 
@@ -111,7 +113,8 @@ def test_every_original_job_argument_is_accepted() -> None:
     assert job.max_steps == job.total_training_steps == 5
     assert re.fullmatch(r"test_\d{8}-\d{6}", job.experiment_name)
     noted = {n["field"] for n in job.compat_notes()}
-    assert {"logging", "tensor_model_parallel_size", "compute_madness_checklist"} <= noted
+    assert {"tensor_model_parallel_size", "compute_madness_checklist"} <= noted
+    assert "logging" not in noted  # the trackers give it effect
     assert set(NO_EFFECT) <= set(ORIGINAL_JOB_ARGUMENTS)
 
 

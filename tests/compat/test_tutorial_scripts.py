@@ -14,9 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ajet.compat.client import RetryPolicy
 from ajet.copilot.job import AgentJetJob
 from ajet.errors import SwarmServerOfflineError, SwarmStateError
-from ajet.original_client import RetryPolicy
 from ajet.tuner_lib.experimental.swarm_client import SwarmClient
 from tests.support import PROJECT_ROOT, ServerHandle, make_ajet_repo
 

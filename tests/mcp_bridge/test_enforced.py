@@ -100,7 +100,7 @@ async def test_pending_until_the_approver_approves_on_the_server(
         assert pending["status"] == "pending_approval", pending["message"]
         info = pending["approval"]
         assert info["enforced_by_server"] and info["approve_url"] == f"{srv.url}/ui/snapshots/{sid}"
-        assert info["human_command"] == f"ajet-swarm approvals approve {sid[:12]}"
+        assert info["human_command"] == f"ajet-swarm approvals approve {sid}"
         assert "You cannot approve it" in pending["message"]
         assert "\\x1b[2K" in pending["diff"] and "\x1b" not in pending["diff"]
         status = structured(await client.call_tool("engine_status", {}))

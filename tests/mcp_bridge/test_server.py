@@ -54,7 +54,7 @@ async def test_tools_annotations_prompts_and_instructions(bridge_factory: Any) -
             assert tool.annotations is not None, tool.name
             assert tool.output_schema is not None, tool.name
         read_only = {"engine_status", "read_metrics", "read_logs", "list_runs", "compare_runs",
-                     "list_snapshots", "rollout_status"}
+                     "list_snapshots", "rollout_status", "list_checkpoints"}
         for name, tool in tools.items():
             assert tool.annotations.read_only_hint is (name in read_only), name
         assert tools["sync_train_code"].annotations.destructive_hint is True

@@ -2,8 +2,8 @@
 
 A token-protected server starts a two-process job under torchrun with the warm standby
 on; then `/proc/<pid>/environ` of every process the server started (the torchrun agent,
-its ranks, the warm standby, anything else) is read: neither token, nor the names of
-their variables, may be there. The ranks are the fake engine (the environment a rank
+its ranks, the warm standby, anything else) is read: no token (the approvers' included),
+nor the names of their variables, nor the path of the approvers' tokens file may be there. The ranks are the fake engine (the environment a rank
 gets is torchrun's copy of the agent's, whatever it runs); the real engine's own
 environment is read the same way by the soak test (`tests/faults/test_soak.py`).
 """
@@ -18,7 +18,7 @@ import pytest
 
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, start_server
+from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, WORKER_TOKEN, start_server
 from tests.support.environ import leaked
 from tests.support.fake_engine import server_env
 
@@ -36,9 +36,12 @@ def engine_tree(server_pid: int) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_no_process_of_the_engine_tree_holds_a_token(tmp_path: Path) -> None:
+    tokens_file = tmp_path / "approver-tokens-file"
+    tokens_file.write_text("bob=test-approver-token-bob\n")
     server = start_server(tmp_path / "swarm", env=server_env(
         AJET_SWARM_TOKEN=CONTROL_TOKEN, AJET_SWARM_WORKER_TOKEN=WORKER_TOKEN,
-        AJET_SWARM_WARM_STANDBY="1"))
+        AJET_SWARM_APPROVER_TOKENS=f"alice={APPROVER_TOKEN}",
+        AJET_SWARM_APPROVER_TOKENS_FILE=str(tokens_file), AJET_SWARM_WARM_STANDBY="1"))
     try:
         assert leaked(server.proc.pid)  # the server itself holds them: the check can see
         with SwarmClient(server.url, token=CONTROL_TOKEN) as control:

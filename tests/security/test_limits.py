@@ -272,3 +272,46 @@ def test_the_server_parses_with_httptools_unless_told_h11() -> None:
     assert issubclass(chosen, HttpToolsHeaderTimeoutProtocol)
     assert (chosen.header_timeout_s, chosen.max_header_bytes) == (2.0, 1234)
     assert issubclass(with_header_timeout(2.0, parser="h11"), HeaderTimeoutProtocol)
+
+
+# ---------------------------------------------------------------------------- anonymous
+
+
+def _sign_in_head(extra: str = "", length: int = 20) -> bytes:
+    return ("POST /ui/login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            f"application/x-www-form-urlencoded\r\nContent-Length: {length}\r\n{extra}\r\n"
+            ).encode()
+
+
+def test_no_100_continue_before_a_sign_in_may_proceed(srv: ServerHandle) -> None:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(_sign_in_head("Expect: 100-continue\r\nOrigin: http://evil.example\r\n"))
+        reply = _closed_by_server(s, 10) or b""
+    assert reply.startswith(b"HTTP/1.1 403") and b"100 Continue" not in reply, reply[:200]
+    # from the console itself: 100 Continue, then the form is read and judged
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(_sign_in_head("Expect: 100-continue\r\nConnection: close\r\n"))
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(b"token=wrong-token-xx")
+        reply = _closed_by_server(s, 10) or b""
+    assert reply.startswith(b"HTTP/1.1 401"), reply[:200]
+
+
+def test_an_anonymous_body_is_small_and_on_time(srv: ServerHandle) -> None:
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(_sign_in_head(length=15 << 20) + b"token=")
+        reply = _closed_by_server(s, 10) or b""
+    assert reply.startswith(b"HTTP/1.1 413"), reply[:200]
+    # one byte at a time: dropped at the header deadline, not at the idle timeout per byte
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(_sign_in_head(length=200))
+        reply = None
+        while reply is None and time.monotonic() - t0 < 15:
+            try:
+                s.sendall(b"t")
+            except OSError:
+                break
+            reply = _closed_by_server(s, 0.3)
+    assert time.monotonic() - t0 < HEADER_TIMEOUT_S + 5
+    assert reply is None or reply.startswith(b"HTTP/1.1 408"), reply[:200]

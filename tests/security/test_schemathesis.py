@@ -59,3 +59,19 @@ def test_what_the_fuzzer_found_stays_fixed(http: httpx.Client) -> None:
     r = http.post("/stop_engine", content=b"\xff\xfe{",
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["hint"], r.text
+
+
+def test_unencodable_episode_input_is_a_422_before_the_engine_sees_it(
+        http: httpx.Client) -> None:
+    # it was a 500 that left the episode open (the metadata could not be stored)
+    ensure_rolling(http)
+    raw = {"Content-Type": "application/json"}
+    before = http.get("/get_engine_status").json()
+    r = http.post("/begin_episode", content=b'{"metadata": {"note": "\\ud800"}}', headers=raw)
+    assert r.status_code == 422 and "metadata.note" in r.text, r.text
+    end = b'{"episode_uuid": "e", "task_id": "t", "reward": 1.0, "metadata": {"\\udc00": 1}}'
+    r = http.post("/end_episode", content=end, headers=raw)
+    assert r.status_code == 422 and "metadata" in r.text, r.text
+    r = http.post("/end_episode", content=end.replace(b'1.0', b'Infinity'), headers=raw)
+    assert r.status_code == 422 and "reward" in r.text, r.text
+    assert http.get("/get_engine_status").json()["state"] == before["state"]

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import httpx
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.generation.interface import (
     GenerationHandle,
+    GenerationRefused,
     GenerationRequest,
     GenerationResult,
     Generator,
@@ -127,61 +127,70 @@ class FakeClock:
 
 
 #: the log-prob `ScriptedGenerator` gives every token it "samples"
-SCRIPTED_LOGPROB = -0.25
+SCRIPTED_LOGPROB = -0.5
 
 
 class ScriptedGenerator(StubGenerator):
-    """Answers each request with the next scripted reply, as a backend delivers one.
+    """Replies with scripted text, one token per step, as a backend does: each token is
+    streamed through `ReplyText` (stop strings, held-back deltas), the reply ends at the
+    end-of-turn token, a stop string or `max_new_tokens`, with a log-prob per token.
 
-    `say(text, ...)` queues replies (an empty script answers ""). A reply is tokenized with
-    the run's tokenizer and delivered on a thread of its own, as the backends do: its text
-    in deltas through `ReplyText` (stop strings cut it, and held back while they may still
-    appear), then one `GenerationResult` with the prompt's ids, the reply's ids plus the
-    end-of-turn token, and `SCRIPTED_LOGPROB` per token. A reply longer than
-    `max_new_tokens` is cut there, with finish reason "length", as a model's would be.
-    Every request is kept in `requests`, for tests of what the routes asked for.
+    `replies` is the queue of texts to answer with (then `default`), `requests` what was
+    submitted; `delay_s` waits before the first token, `max_positions` is the context. A
+    reply is generated on a thread of its own, like a backend's loop; each token gets
+    `SCRIPTED_LOGPROB`.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, eos_id: int, default: str = "Hello.") -> None:
         self.tokenizer = tokenizer
-        self.end_of_turn = int(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-        self.script: deque[str] = deque()
+        self.eos_id = eos_id
+        self.default = default
+        self.replies: list[str] = []
         self.requests: list[GenerationRequest] = []
-        self._lock = threading.Lock()
-
-    def say(self, *replies: str) -> None:
-        with self._lock:
-            self.script.extend(replies)
+        self.max_positions = 1 << 30
+        #: seconds before the first token (a long prefill)
+        self.delay_s = 0.0
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
-        with self._lock:
-            self.requests.append(request)
-            text = self.script.popleft() if self.script else ""
+        if len(request.prompt_ids) >= self.max_positions:
+            raise GenerationRefused(f"the prompt is {len(request.prompt_ids)} tokens; the "
+                                    f"model's context is {self.max_positions}")
+        self.requests.append(request)
+        text = self.replies.pop(0) if self.replies else self.default
         handle = GenerationHandle(request)
-        threading.Thread(target=self._deliver, args=(handle, text), daemon=True).start()
+        threading.Thread(target=self._run, args=(handle, text), daemon=True).start()
         return handle
 
-    def _deliver(self, handle: GenerationHandle, text: str) -> None:
+    def _run(self, handle: GenerationHandle, text: str) -> None:
         request = handle.request
-        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-        reply = ReplyText(lambda part: str(self.tokenizer.decode(part)), request.stop)
-        served: list[int] = []
-        for token in ids:
-            if len(served) == request.max_new_tokens:
-                break
-            served.append(token)
-            handle.delta(reply.update(served))
-            if reply.stopped:
-                break
-        text_ids = list(served)
-        finish = "length"
-        if reply.stopped:
-            finish = "stop"
-        elif len(served) == len(ids) and len(served) < request.max_new_tokens:
-            finish = "stop"
-            served.append(self.end_of_turn)  # a model's end of turn is recorded too
-        handle.delta(reply.update(text_ids, done=True))
-        handle.finish(GenerationResult(prompt_ids=list(request.prompt_ids),
-                                       response_ids=served,
-                                       logprobs=[SCRIPTED_LOGPROB] * len(served),
-                                       text=reply.text, finish_reason=finish))
+        script = [*self.tokenizer(text, add_special_tokens=False)["input_ids"], self.eos_id]
+        reply = ReplyText(lambda ids: str(self.tokenizer.decode(ids, skip_special_tokens=True)),
+                          request.stop)
+        ids: list[int] = []
+        done = "length"
+        time.sleep(self.delay_s)
+        for token in script:
+            if handle.done:  # cancelled
+                return
+            ids.append(token)
+            delta = reply.update(ids)
+            if token == self.eos_id or reply.stopped:
+                done = "stop"
+            elif len(ids) >= request.max_new_tokens:
+                done = "length"
+            else:
+                handle.delta(delta)
+                continue
+            handle.delta(delta + reply.update(ids, done=True))
+            break
+        handle.finish(GenerationResult(prompt_ids=list(request.prompt_ids), response_ids=ids,
+                                       logprobs=[SCRIPTED_LOGPROB] * len(ids), text=reply.text,
+                                       finish_reason=done))
+
+    def say(self, *replies: str) -> None:
+        """Queue the next replies."""
+        self.replies.extend(replies)
+
+    @property
+    def end_of_turn(self) -> int:
+        return self.eos_id

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.servers import CONTROL_TOKEN, WORKER_TOKEN
+from tests.support.servers import APPROVER_TOKEN, CONTROL_TOKEN, WORKER_TOKEN
 
 __all__ = ["SECRETS", "leaked"]
 
-SECRETS = (CONTROL_TOKEN.encode(), WORKER_TOKEN.encode(), b"AJET_SWARM_TOKEN=",
-           b"AJET_SWARM_WORKER_TOKEN=")
+SECRETS = (CONTROL_TOKEN.encode(), WORKER_TOKEN.encode(), APPROVER_TOKEN.encode(),
+           b"AJET_SWARM_TOKEN=", b"AJET_SWARM_WORKER_TOKEN=", b"AJET_SWARM_APPROVER_TOKENS",
+           b"approver-tokens-file")
 
 
 def leaked(pid: int) -> list[bytes]:

@@ -13,7 +13,8 @@ What it does is read at boot from `<workdir>/fake_engine.json` (see `set_behavio
     exit_after_s    serve, then exit with exit_code after this many seconds
     ignore_term     ignore SIGTERM (the server must SIGKILL it)
     spawn_child     start a child in the same process group (pid in <run_dir>/child.pid)
-    report_ajet_file  report this instead of the real ajet.__file__
+    report_ajet_file  report this instead of the real ajet.__file__ (and the content id
+                    of the folder it names)
     metrics         list of metric points written to <run_dir>/metrics.jsonl at boot
 
 Every start appends its pid to `<workdir>/fake_engine_pids.txt`.
@@ -106,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(run_dir / "metrics.jsonl", "a") as f:
             for point in points:
                 f.write(json.dumps(point) + "\n")
+    from ajet.packaging import folder_snapshot_id
+
+    ajet_file = behaviour.get("report_ajet_file") or ajet.__file__
     report = EngineReport(
-        state=EngineState.ROLLING, pid=os.getpid(),
-        ajet_file=behaviour.get("report_ajet_file") or ajet.__file__, run_id=args.run_id,
+        state=EngineState.ROLLING, pid=os.getpid(), ajet_file=ajet_file, run_id=args.run_id,
         step=points[-1]["step"] if points else 0,
+        snapshot_id=folder_snapshot_id(Path(ajet_file).parent),
     )
     server = _uvicorn_server(socket_path, report)
     if behaviour.get("exit_after_s") is not None:

@@ -78,7 +78,8 @@ def plane_app(root: Path, *, job: AgentJetJob | None = None,
     plane = EpisodePlane(cfg=cfg, registry=registry, run_id="scripted-run",
                          ajet_file=str(root / "ajet" / "__init__.py"))
     policy = load_policy(ensure_tiny_model(root, seed=0), device="cpu", dtype="float32", seed=0)
-    generator = ScriptedGenerator(policy.tokenizer)
+    generator = ScriptedGenerator(policy.tokenizer, default="",
+                                  eos_id=int(policy.tokenizer.convert_tokens_to_ids("<|im_end|>")))
     if with_policy:
         plane.set_policy(policy, generator)
     with TestClient(create_channel_app(plane), raise_server_exceptions=False) as http:

@@ -98,9 +98,13 @@ def _examples(rng: random.Random, n: int) -> list[tuple[list[dict[str, Any]], li
     return out
 
 
-def finetune_tool_model(target: Path, *, steps: int = 220, lr: float = 1.2e-2, batch: int = 8,
+def finetune_tool_model(target: Path, *, steps: int = 300, lr: float = 1.2e-2, batch: int = 8,
                         seed: int = 0) -> Path:
-    """Build ajet-tiny at `target` and fine-tune it to call get_weather (see module doc)."""
+    """Build ajet-tiny at `target` and fine-tune it to call get_weather (see module doc).
+
+    300 steps: at 220 (with torch 2.13 and transformers 5.24) the last loss was 0.32 and
+    greedy replies were garbled calls; at 300 it is 2e-4 and the replies are exact.
+    """
     import torch
 
     if (target / "finetuned.json").is_file():
@@ -141,23 +145,42 @@ def _finetune(target: Path, *, steps: int, lr: float, batch: int, seed: int) -> 
     keep = ATTENTION_WINDOW * model.config.num_hidden_layers
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
-    for step in range(steps):
-        chosen = [rows[(step * batch + j) % len(rows)] for j in range(batch)]
+    def tensors(chosen: list[tuple[list[int], list[int]]]) -> tuple[Any, Any, Any]:
         cut = [(p[-keep:], r, len(p) - len(p[-keep:])) for p, r in chosen]
         width = max(len(p) + len(r) for p, r, _ in cut)
-        ids = torch.full((batch, width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
-        labels = torch.full((batch, width), -100, dtype=torch.long)  # (B, T)
-        positions = torch.zeros((batch, width), dtype=torch.long)  # (B, T)
+        ids = torch.full((len(cut), width), tokenizer.pad_token_id, dtype=torch.long)  # (B, T)
+        labels = torch.full((len(cut), width), -100, dtype=torch.long)  # (B, T)
+        positions = torch.zeros((len(cut), width), dtype=torch.long)  # (B, T)
         for row, (p, r, offset) in enumerate(cut):
             seq = p + r
             ids[row, :len(seq)] = torch.tensor(seq)  # right padding: causal, never attended
             labels[row, len(p):len(seq)] = torch.tensor(r)  # loss on the reply only
             positions[row] = torch.arange(offset, offset + width)  # true positions (rotary)
+        return ids, labels, positions
+
+    def every_reply_is_the_argmax() -> bool:
+        # greedy decoding reproduces a reply only if each of its tokens is the argmax:
+        # one miss early in a tool call derails the rest of it
+        with torch.no_grad():
+            ids, labels, positions = tensors(rows)
+            logits = model(input_ids=ids, position_ids=positions).logits  # (B, T, V)
+        predicted = logits[:, :-1].argmax(-1)  # (B, T - 1)
+        wanted = labels[:, 1:]  # (B, T - 1)
+        return bool(((predicted == wanted) | (wanted == -100)).all())
+
+    step = 0
+    # `steps` at least, then on until the check holds (at most twice as many)
+    while step < steps or (step < 2 * steps and not (step % 20 == 0
+                                                       and every_reply_is_the_argmax())):
+        ids, labels, positions = tensors([rows[(step * batch + j) % len(rows)]
+                                          for j in range(batch)])
         loss = model(input_ids=ids, position_ids=positions, labels=labels).loss
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        step += 1
+    steps = step
     model.eval()
     model.save_pretrained(target)
     (target / "finetuned.json").write_text(

@@ -229,12 +229,15 @@ def test_ajet_swarm_approvals_cli(tmp_path: Path, srv: Server,
     assert shown.returncode == 0, shown.stderr
     assert "+CLI_MARK = '\\x1b[31mred'" in shown.stdout and "\x1b" not in shown.stdout
     assert "Claimed by the client (not verified)" in shown.stdout
-    no_tty = cli("approve", snapshot_id[:12])
+    assert f"approvals approve {snapshot_id}" in shown.stdout  # the full id to decide on
+    by_prefix = cli("approve", snapshot_id[:12], "--yes")
+    assert by_prefix.returncode == 2 and "not a full snapshot id" in by_prefix.stderr
+    no_tty = cli("approve", snapshot_id)
     assert no_tty.returncode == 2 and "--yes" in no_tty.stderr
     master, slave = pty.openpty()
     try:
         os.write(master, snapshot_id[:12].encode() + b"\n")
-        typed = cli("approve", snapshot_id[:12], "--note", "ok from the cli", stdin=slave)
+        typed = cli("approve", snapshot_id, "--note", "ok from the cli", stdin=slave)
     finally:
         os.close(master)
         os.close(slave)
@@ -282,18 +285,19 @@ def test_enforcement_covers_old_snapshots_and_survives_restarts(tmp_path: Path) 
 
 def test_approver_tokens_need_a_control_token(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="need a control token"):
-        Settings(workdir=tmp_path, approver_tokens="alice=secret-1")
+        Settings(workdir=tmp_path, approver_tokens="alice=secret-1-of-16-chars")
     with pytest.raises(ValueError, match="differ"):
-        Settings(workdir=tmp_path, token="same", approver_tokens="alice=same")
+        Settings(workdir=tmp_path, token="same-token-16-chars",
+                 approver_tokens="alice=same-token-16-chars")
     tokens = tmp_path / "approvers"
-    tokens.write_text("# approvers\nbob=b-token\ncarol=c-token\n")
-    both = Settings(workdir=tmp_path, token="c", approver_tokens="alice=a-token",
-                    approver_tokens_file=tokens)
+    tokens.write_text("# approvers\nbob=b-token-of-16-chars\ncarol=c-token-of-16-chars\n")
+    both = Settings(workdir=tmp_path, token="control-token-16-chars",
+                    approver_tokens="alice=a-token-of-16-chars", approver_tokens_file=tokens)
     assert set(both.approvers) == {"alice", "bob", "carol"} and both.approvals_enforced
     env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
     started = subprocess.run(
         [str(AJET_SWARM), "start", "--swarm-port", "0", "--workdir", str(tmp_path)],
-        env={**env, "AJET_SWARM_APPROVER_TOKENS": "alice=secret-1"}, capture_output=True,
+        env={**env, "AJET_SWARM_APPROVER_TOKENS": "alice=secret-1-of-16-chars"}, capture_output=True,
         text=True, timeout=60)
     assert started.returncode == 2 and "AJET_SWARM_TOKEN" in started.stderr
 

@@ -24,7 +24,7 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict, SwarmNotFound, SwarmValidationError
 from ajet.packaging import build_zip, package_tree, snapshot_id_of
-from ajet.protocol import SERVER_CODE, EngineState, FileEntry, Provenance
+from ajet.protocol import SERVER_CODE, BlobsUploaded, EngineState, FileEntry, Provenance
 from swarm_server.errors import ApiError
 from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
@@ -193,16 +193,16 @@ def test_blob_lost_before_commit_is_uploaded_again(
     pkg = package_tree(repo)
     victim = next(f.sha256 for f in pkg.files if f.path.endswith("mod_2.py"))
     lost: list[str] = []
-    real_call = client._call
+    real_upload = client.upload_blob_batch
 
-    def call_then_lose_a_blob(method: str, path: str, **kwargs: object) -> object:
-        answer = real_call(method, path, **kwargs)
-        if path == "/code/blobs" and not lost:  # a GC elsewhere removes a fresh blob
+    def upload_then_lose_a_blob(records: bytes) -> BlobsUploaded:
+        answer = real_upload(records)
+        if not lost:  # a GC elsewhere removes a fresh blob
             (engine_server.workdir / "ajet_temp" / ".blobs" / victim[:2] / victim).unlink()
             lost.append(victim)
         return answer
 
-    monkeypatch.setattr(client, "_call", call_then_lose_a_blob)
+    monkeypatch.setattr(client, "upload_blob_batch", upload_then_lose_a_blob)
     result = client.push_code(repo)
     assert lost and result.snapshot_id == pkg.snapshot_id and result.activated
     assert result.files == len({f.sha256 for f in pkg.files}) + 1

@@ -17,7 +17,7 @@ import pytest
 
 import ajet
 from ajet.copilot.job import AgentJetJob
-from ajet.protocol import SERVER_CODE, EngineReport, EngineState
+from ajet.protocol import ENGINE_FAILURE_FILE, SERVER_CODE, EngineFailure, EngineReport, EngineState
 from swarm_server.engine import LAST_CONFIG_KEY, EngineController
 from swarm_server.errors import EngineStateError, Unprocessable
 from swarm_server.ledger import Ledger, RunRecord, SnapshotRecord
@@ -225,6 +225,24 @@ def test_crash_at_boot_goes_offline_with_exit_code_and_log_tail(h: Harness) -> N
     assert rec is not None and (rec.status, rec.exit_code) == ("failed", 1)
 
 
+def test_the_engines_own_failure_record_names_the_rank_and_leads_the_log_tail(
+        h: Harness) -> None:
+    h.configure()
+    run_id, proc = h.start_rolling()
+    failure = EngineFailure(rank=1, world_size=2, error="RuntimeError: loss exploded",
+                            traceback=["Traceback (most recent call last):",
+                                       "RuntimeError: loss exploded"])
+    (h.settings.runs_dir / run_id / ENGINE_FAILURE_FILE).write_text(failure.model_dump_json())
+    proc.exit(1, log_lines=["torchrun: ChildFailedError"])
+    wait_until(lambda: h.ctl.state is S.OFFLINE)
+    err = h.ctl.status().last_error
+    assert err is not None and err.reason.startswith("the engine exited with code 1 while")
+    assert err.reason.endswith(": rank 1 of 2 failed: RuntimeError: loss exploded")
+    assert err.log_tail[:2] == ["[rank 1] Traceback (most recent call last):",
+                                "[rank 1] RuntimeError: loss exploded"]
+    assert err.log_tail[-1] == "torchrun: ChildFailedError"
+
+
 def test_killed_while_rolling_goes_offline_with_last_error(h: Harness) -> None:
     h.configure()
     run_id, proc = h.start_rolling()
@@ -351,6 +369,41 @@ def test_snapshot_env_log_line_and_code_check(tmp_path: Path) -> None:
     h.ctl.start(role="control")
     serve(h.spawner.latest(), ajet_file=str(snaps.base / "ajet" / "__init__.py"))
     wait_until(lambda: h.ctl.state is S.ROLLING)
+    h.ctl.shutdown()
+
+
+def test_every_ranks_content_id_must_be_the_active_snapshots_whatever_its_folder(
+        tmp_path: Path) -> None:
+    snaps = FixedSnapshots(tmp_path)
+    h = make_harness(tmp_path, snapshots=snaps)
+    h.configure()
+    good = "a" * 64  # the active snapshot's id
+    # node 1 keeps its copy under another folder name: the same content is accepted
+    elsewhere = str(tmp_path / "node1" / "ajet_temp" / "20250102-101010" / "ajet" / "__init__.py")
+    h.ctl.start(role="control")
+    proc = h.spawner.latest()
+    proc.report = EngineReport(state=S.ROLLING, pid=proc.pid,
+                               ajet_file=str(snaps.base / "ajet" / "__init__.py"),
+                               world_size=2, snapshot_id=good,
+                               ranks_ajet_files=[str(snaps.base / "ajet" / "__init__.py"),
+                                                 elsewhere],
+                               ranks_snapshot_ids=[good, good])
+    wait_until(lambda: h.ctl.state is S.ROLLING)
+    h.ctl.stop(role="control", reason="test")
+
+    # rank 1 imported other code (say, a stale copy in the right folder): refused
+    h.ctl.start(role="control")
+    proc = h.spawner.latest()
+    proc.report = EngineReport(state=S.ROLLING, pid=proc.pid,
+                               ajet_file=str(snaps.base / "ajet" / "__init__.py"),
+                               world_size=2, snapshot_id=good,
+                               ranks_ajet_files=[str(snaps.base / "ajet" / "__init__.py")] * 2,
+                               ranks_snapshot_ids=[good, "b" * 64])
+    wait_until(lambda: h.ctl.state is S.OFFLINE)
+    err = h.ctl.status().last_error
+    assert err is not None and "rank 1 imported ajet bbbbbbbbbbbb" in err.reason
+    assert "not from the active snapshot aaaaaaaaaaaa" in err.reason
+    assert proc.signals == [signal.SIGTERM]
     h.ctl.shutdown()
 
 

@@ -20,7 +20,6 @@ import httpx
 import pytest
 
 from ajet.client import SwarmClient
-from ajet.copilot.job import AgentJetJob
 from tests.support import CONTROL_TOKEN, PROJECT_ROOT, WORKER_TOKEN, start_server
 
 #: The last commit whose engine was one flat folder (ajet/engine/chat_api.py and friends).
@@ -56,9 +55,10 @@ def test_snapshot_from_before_the_rehousing_serves_and_trains(tmp_path: Path) ->
     try:
         with SwarmClient(handle.url, token=CONTROL_TOKEN) as control:
             synced = control.push_code(repo)
-            job = AgentJetJob(experiment_name="old-snapshot", model="ajet-tiny",
-                              batch_size=1, num_repeat=2, n_gpu=0)
-            control.configure_and_start(job, wait_timeout=180)
+            # the fields the old code knows, as a user of that code writes them
+            control.submit_config("experiment_name: old-snapshot\nmodel: ajet-tiny\n"
+                                  "batch_size: 1\nnum_repeat: 2\nn_gpu: 0\n")
+            control.start_run(wait=True, wait_timeout=180)
             status = control.engine_status()
             # the engine runs the old code, from the snapshot's folder
             assert status.snapshot_id == synced.snapshot_id

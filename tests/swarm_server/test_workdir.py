@@ -16,6 +16,7 @@ from pathlib import Path
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState
+from swarm_server.ledger import Ledger
 from swarm_server.workdir import SERVER_OWNED
 from tests.support import make_ajet_repo, start_server
 from tests.support.fake_engine import server_env
@@ -45,7 +46,9 @@ def test_server_files_are_private_and_earlier_ones_are_tightened(tmp_path: Path)
     (old_blob_dir / ("ab" * 32)).write_text("x = 1\n")
     mine = workdir / "notes.txt"  # not the server's: left as it is
     mine.write_text("my notes\n")
-    for path in (workdir, old_log.parent, old_log, old_blob_dir, mine):
+    old_ledger = workdir / "swarm.sqlite3"  # runs without their ledger would not start
+    Ledger(old_ledger).close()
+    for path in (workdir, old_log.parent, old_log, old_blob_dir, mine, old_ledger):
         path.chmod(0o755 if path.is_dir() else 0o644)
     assert open_entries(workdir)
 

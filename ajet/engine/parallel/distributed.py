@@ -22,11 +22,22 @@ Besides FSDP the engine needs a few collectives, all behind `Dist`: broadcast a 
 object from rank 0 (the step's batch, a checkpoint request, or "stop"), sum a few floats
 (metrics), the largest of one integer (the step's micro-batch count, so every rank runs
 as many forward and backward passes as FSDP's all-gathers expect), gather one object per
-rank (each rank's `ajet.__file__`), full weights out of the shards (`full_state_dict` for
-checkpoints, `copy_full_weights` for the inference model). With one process `Dist` does
-them locally without touching torch.distributed and never shards the model, so the
-single-process engine has no "am I distributed?" branches and no FSDP overhead (the
-null object of nanochat's `DummyWandb`).
+rank (each rank's code id and generation endpoint), full weights out of the shards
+(`full_state_dict` for checkpoints, `copy_full_weights` for the inference model). With
+one process `Dist` does them locally without touching torch.distributed and never
+shards the model, so the single-process engine has no "am I distributed?" branches and
+no FSDP overhead (the null object of nanochat's `DummyWandb`).
+
+Two process groups. The default group (NCCL on GPUs, gloo on CPU) carries tensors only:
+FSDP's all-gathers and reduce-scatters, the publication, the checkpoint gathers. Its
+timeout (`collective_timeout_min`, 30 minutes) is sized for the longest real collective,
+and NCCL's async error handling tears a rank down when one fails or times out. Every
+control message (rank 0's commands and batches, the metric sums, the micro-batch count,
+the boot gathers) goes over a second, CPU group (gloo, `Dist.control`) with a long
+timeout: a follower waits there for rank 0's next command for as long as rank 0 takes to
+collect a step. Had that wait been an NCCL broadcast, it would sit on the follower's
+device stream, and the follower's own generator, whose forwards run on the same stream,
+would queue behind it until the batch was complete.
 """
 
 from __future__ import annotations
@@ -36,24 +47,29 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as torch_dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["Dist", "clip_grad_norm", "copy_full_weights", "init_distributed",
-           "start_orphan_watchdog"]
+__all__ = ["CONTROL_TIMEOUT", "DEFAULT_COLLECTIVE_TIMEOUT_S", "PUBLISH_BUCKET_BYTES", "Dist",
+           "Publication", "clip_grad_norm", "copy_full_weights", "gather_full_weights",
+           "group_store", "init_distributed", "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: Followers wait in a broadcast while rank 0 collects a step; that may take hours.
-_COLLECTIVE_TIMEOUT = timedelta(hours=24)
+#: Rank 0's command path: a follower waits here while rank 0 collects a step, which may
+#: take hours (the CPU group only; tensor collectives have `collective_timeout_s`).
+CONTROL_TIMEOUT = timedelta(hours=24)
+#: The default for tensor collectives (the job's `collective_timeout_min`).
+DEFAULT_COLLECTIVE_TIMEOUT_S = 30 * 60.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +83,8 @@ class Dist:
     #: torch.distributed (`bench/gpu_check.py` exercises FSDP2 and NCCL on one GPU);
     #: otherwise one process never shards
     single_rank_group: bool = False
+    #: the CPU (gloo) group of every control message; None only when not `active`
+    control: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -77,26 +95,30 @@ class Dist:
         return self.world_size > 1 or self.single_rank_group
 
     def broadcast(self, obj: T | None) -> T:
-        """Rank 0's `obj` on every rank (others pass None)."""
+        """Rank 0's `obj` on every rank (others pass None), over the CPU group."""
         if not self.active:
             return obj  # type: ignore[return-value]
         box = [obj]
-        torch_dist.broadcast_object_list(box, src=0)
+        torch_dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]  # type: ignore[return-value]
 
-    def sum_floats(self, values: list[float], device: torch.device) -> list[float]:
+    def sum_floats(self, values: list[float], device: object = None) -> list[float]:
+        """The sums over the ranks (the CPU group: the values are host floats already).
+
+        `device` is not used: callers once put these tensors on the model's device.
+        """
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM)
+        t = torch.tensor(values, dtype=torch.float64)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.SUM, group=self.control)
         return [float(v) for v in t.tolist()]
 
-    def max_int(self, value: int, device: torch.device) -> int:
-        """The largest `value` over the ranks."""
+    def max_int(self, value: int, device: object = None) -> int:
+        """The largest `value` over the ranks (the CPU group; `device` is not used)."""
         if not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        t = torch.tensor([value], dtype=torch.int64)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self.control)
         return int(t.item())
 
     def shard(self, root: nn.Module, units: list[nn.Module], *,
@@ -139,13 +161,14 @@ class Dist:
 
     def barrier(self) -> None:
         if self.active:
-            torch_dist.barrier()
+            torch_dist.barrier(group=self.control)
 
     def gather(self, obj: T) -> list[T]:
+        """Every rank's `obj`, in rank order, over the CPU group."""
         if not self.active:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        torch_dist.all_gather_object(out, obj)
+        torch_dist.all_gather_object(out, obj, group=self.control)
         return out
 
     def close(self) -> None:
@@ -153,27 +176,150 @@ class Dist:
             torch_dist.destroy_process_group()
 
 
+#: Bytes of full (gathered) weights per publication collective: parameters are gathered
+#: in buckets of about this size (a larger parameter goes alone), so a 7B model takes a
+#: few dozen calls instead of one per parameter, and the extra device memory while
+#: publishing is one bucket (plus one parameter being unpacked).
+PUBLISH_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What one publication of full weights did (the step metrics' `publish_*` fields)."""
+
+    #: wall time of the gather and the copy
+    seconds: float = 0.0
+    #: bytes of full weights produced, in the dtype they were gathered in
+    bytes: int = 0
+    #: parameters published
+    tensors: int = 0
+
+
+def gather_full_weights(named: Iterable[tuple[str, torch.Tensor]], *,
+                        dtype: Callable[[str, torch.Tensor], torch.dtype] | torch.dtype | None
+                        = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each `(name, full tensor)` of `named`, gathered whole if it is an FSDP2 shard.
+
+    The building block of every "full weights out of the shards" path (the inference
+    copy, a shared LoRA base, a bf16 export). Collective when anything is sharded: every
+    rank iterates it to the end, over the same names in the same order, with the same
+    dtypes. `dtype` (one dtype, or a function of the name and the source tensor) is the
+    dtype each tensor is gathered in: a shard is cast *before* the all-gather, so a bf16
+    publication of fp32 masters moves half the bytes; None keeps the stored dtype.
+
+    Dim-0 shards (FSDP2's `Shard(0)` on a 1-D mesh, torch.chunk's split) are packed into
+    one buffer per bucket of about `bucket_bytes` full bytes, each rank's chunk padded to
+    the longest one, and gathered with one flat all-gather; anything else
+    (another placement, a plain tensor) is taken one tensor at a time. A yielded tensor
+    may be a view of the bucket's buffer: use or copy it before asking for the next one.
+    """
+    def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+        if dtype is None:
+            return tensor.dtype
+        return dtype if isinstance(dtype, torch.dtype) else dtype(name, tensor)
+
+    bucket: list[tuple[str, DTensor]] = []
+    bucket_key: tuple[Any, torch.dtype] | None = None
+    filled = 0
+    for name, tensor in named:
+        want = dtype_of(name, tensor)
+        if not _dim0_sharded(tensor):
+            yield from _gather_bucket(bucket, bucket_key)
+            bucket, bucket_key, filled = [], None, 0
+            if isinstance(tensor, DTensor):  # another layout: its own gather, cast first
+                yield name, tensor.detach().to(want).full_tensor()
+            else:
+                yield name, tensor.detach().to(want)
+            continue
+        assert isinstance(tensor, DTensor)
+        key = (tensor.device_mesh.get_group(), want)
+        size = tensor.numel() * want.itemsize
+        if bucket and (key != bucket_key or filled + size > bucket_bytes):
+            yield from _gather_bucket(bucket, bucket_key)
+            bucket, filled = [], 0
+        bucket.append((name, tensor))
+        bucket_key = key
+        filled += size
+    yield from _gather_bucket(bucket, bucket_key)
+
+
+def _dim0_sharded(tensor: torch.Tensor) -> bool:
+    return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1
+            and tuple(tensor.placements) == (Shard(0),) and tensor.dim() > 0)
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtype] | None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all-gather for a bucket of dim-0 shards; their full tensors, in order."""
+    if not bucket or key is None:
+        return
+    group, want = key
+    world = bucket[0][1].device_mesh.size()
+    # each parameter's slot: its largest chunk (torch.chunk: ceil(rows / world) rows),
+    # so every rank sends the same number of elements; rank r's rows start at r * chunk
+    slots = []
+    offset = 0
+    for _name, param in bucket:
+        rows = param.shape[0]
+        chunk = -(-rows // world)
+        row_numel = param.numel() // rows if rows else 0
+        slots.append((offset, chunk, row_numel))
+        offset += chunk * row_numel
+    local0 = bucket[0][1].to_local()
+    send = torch.empty(offset, dtype=want, device=local0.device)  # (S,): padding unread
+    for (_name, param), (start, _chunk, _row) in zip(bucket, slots, strict=True):
+        local = param.to_local().detach()
+        send[start:start + local.numel()].copy_(local.reshape(-1))  # the cast happens here
+    received = torch.empty(world * offset, dtype=want, device=local0.device)  # (N * S,)
+    # torch 2.13 renamed all_gather_into_tensor (the old name warns); older ones lack it
+    gather = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+    gather(received, send, group=group)
+    del send
+    by_rank = received.view(world, offset)  # (N, S)
+    for (name, param), (start, chunk, row_numel) in zip(bucket, slots, strict=True):
+        rows = param.shape[0]
+        # (N, chunk * row) -> (N * chunk, *rest): rank-ordered chunks; the padding is the tail
+        full = by_rank[:, start:start + chunk * row_numel].reshape(
+            world * chunk, *param.shape[1:])[:rows]
+        yield name, full
+
+
 def copy_full_weights(source: nn.Module, target: nn.Module | None, *,
-                      trainable_only: bool = False) -> None:
+                      trainable_only: bool = False, dtype: torch.dtype | None = None,
+                      bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> Publication:
     """Copy `source`'s weights, gathered whole if sharded, into `target` (by name).
 
     The one way to get full (unsharded) weights for inference out of the trained model:
-    `target` is a plain module of the same architecture (any dtype, any device); ranks
-    without one pass None. Collective when `source` is sharded: every rank calls it, in
-    the same order. One parameter is gathered at a time, so the extra memory is that of
-    the largest parameter (the embedding). `trainable_only` skips frozen parameters
-    (LoRA: only the adapters change in an update). `source is target` does nothing.
+    `target` is a plain module of the same architecture (any dtype, any device). Each
+    weight is gathered in `dtype`, else in the target parameter's dtype (bf16 for a bf16
+    inference copy of fp32 masters: the shards are cast before the gather), else in its
+    own; ranks without a target pass None and then must pass `dtype` (every rank gathers
+    in the same dtype). Collective when `source` is sharded: every rank calls it, in the
+    same order; parameters go in buckets of about `bucket_bytes` (`gather_full_weights`).
+    `trainable_only` skips frozen parameters (LoRA: only the adapters change in an
+    update). `source is target` does nothing. Returns what was published.
     """
     if source is target:
-        return
+        return Publication()
+    start = time.perf_counter()
     targets = dict(target.named_parameters()) if target is not None else {}
+
+    def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+        if dtype is not None:
+            return dtype
+        return targets[name].dtype if name in targets else tensor.dtype
+
+    named = [(n, p) for n, p in source.named_parameters()
+             if not (trainable_only and not p.requires_grad)]
+    total = tensors = 0
     with torch.no_grad():
-        for name, param in source.named_parameters():
-            if trainable_only and not param.requires_grad:
-                continue
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+        for name, full in gather_full_weights(named, dtype=dtype_of, bucket_bytes=bucket_bytes):
+            total += full.numel() * full.element_size()
+            tensors += 1
             if target is not None:
                 targets[name].copy_(full)
+    return Publication(seconds=time.perf_counter() - start, bytes=total, tensors=tensors)
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
@@ -184,9 +330,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     return float(norm)
 
 
-def init_distributed(*, on_gpu: bool, single_rank_group: bool = False) -> Dist:
+def init_distributed(*, on_gpu: bool, single_rank_group: bool = False,
+                     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Dist:
     """Join the process group `torchrun` set up, or return the single-process `Dist`.
 
+    The default group (NCCL on GPUs, gloo on CPU) waits `collective_timeout_s` in a
+    tensor collective; the control group (gloo) made next to it waits `CONTROL_TIMEOUT`.
     `single_rank_group` makes a one-process group of one rank instead (on a free local
     port unless MASTER_ADDR/MASTER_PORT are set), so that FSDP2 shards over it.
     """
@@ -200,12 +349,29 @@ def init_distributed(*, on_gpu: bool, single_rank_group: bool = False) -> Dist:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
+        # A failed or timed-out NCCL collective tears the process down without aborting
+        # the communicators first (an abort can itself hang on a broken peer).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         torch.cuda.set_device(local_rank)
-    torch_dist.init_process_group(backend=backend, timeout=_COLLECTIVE_TIMEOUT)
-    log.info("rank %d of %d joined (%s, local rank %d)", rank, world_size, backend, local_rank)
+    torch_dist.init_process_group(backend=backend,
+                                  timeout=timedelta(seconds=collective_timeout_s))
+    # The CPU group of every control message (see the module docstring). new_group is
+    # collective: every rank makes it, right after the default group.
+    control = torch_dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    log.info("rank %d of %d joined (%s for tensors, %s timeout; gloo for control, "
+             "local rank %d)", rank, world_size, backend,
+             timedelta(seconds=collective_timeout_s), local_rank)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
                 device_type="cuda" if on_gpu else "cpu",
-                single_rank_group=world_size <= 1)
+                single_rank_group=world_size <= 1, control=control)
+
+
+def group_store() -> Any:
+    """The default process group's key-value store (torchrun's agent hosts it).
+
+    torch exposes no public getter; `_get_default_store` has been there since torch 1.x.
+    """
+    return torch_dist.distributed_c10d._get_default_store()
 
 
 def _free_port() -> int:

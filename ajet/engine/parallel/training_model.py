@@ -12,11 +12,14 @@ weights in the compute dtype, on every rank):
 | torchrun (FSDP2) | fp32, sharded over the ranks, bf16 compute on GPUs | a full copy on every rank, refreshed after each update |
 
 The refresh is `TrainingModel.publish()` (`distributed.copy_full_weights`), called by the
-learner at the end of every update on every rank: one parameter is gathered at a time;
-with LoRA only the adapters are copied (the base never changes). Memory per rank under
-FSDP2: the inference copy (`2 x params` bytes in bf16) plus the shards of the trained
-model (`16 x params / N`: fp32 weights, gradients and AdamW's two moments), plus the
-largest single parameter while a refresh runs.
+learner at the end of every update on every rank: each shard is cast to the inference
+copy's dtype (bf16 on GPUs) before it is gathered, and parameters are gathered in
+buckets of about `PUBLISH_BUCKET_BYTES`, one all-gather each; with LoRA only the adapters
+are copied (the base never changes). Its time and bytes are the step metrics'
+`publish_time_s` and `publish_bytes`. Memory per rank under FSDP2: the inference copy
+(`2 x params` bytes in bf16) plus the shards of the trained model (`16 x params / N`:
+fp32 weights, gradients and AdamW's two moments), plus one bucket (and one parameter
+being unpacked) while a refresh runs.
 
 With LoRA (`cfg.lora_rank > 0`) both models get the same adapters (`lora.apply_lora`,
 seeded) and only the adapters train. The KL reference (`kl_coef > 0`) is the trained
@@ -37,7 +40,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from ajet.engine.config import EngineConfig
-from ajet.engine.parallel.distributed import Dist, copy_full_weights
+from ajet.engine.parallel.distributed import Dist, Publication, copy_full_weights
 from ajet.engine.policy import Policy
 from ajet.engine.scoring import ResponseBatch, ResponseScorer
 
@@ -89,9 +92,13 @@ class TrainingModel:
         lm: Any = self.scorer.lm
         return lm.disable_adapter()  # type: ignore[no-any-return]
 
-    def publish(self) -> None:
-        """Copy the trained weights into the inference model; every rank calls it."""
-        copy_full_weights(self.hf_model, self.inference, trainable_only=self.lora)
+    def publish(self) -> Publication:
+        """Copy the trained weights into the inference model; every rank calls it.
+
+        Each weight is gathered in the inference copy's dtype (bf16 on GPUs: the fp32
+        shards are cast before the all-gather), in buckets (`copy_full_weights`).
+        """
+        return copy_full_weights(self.hf_model, self.inference, trainable_only=self.lora)
 
     def train(self, mode: bool = True) -> None:
         self.scorer.train(mode)
@@ -118,13 +125,7 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
         if not shared:
             apply_lora(policy.model, **lora_args)  # same structure; weights come by publish
     if cfg.activation_checkpointing:
-        # non-reentrant: works with frozen inputs (LoRA) and with FSDP2's hooks;
-        # transformers 5 renamed gradient_checkpointing_enable
-        enable = getattr(lm, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(lm)
     scorer = ResponseScorer(lm, chunk_tokens=cfg.logprob_chunk_tokens,
                             autocast_dtype=compute if not shared and not dist.active else None)
     layers = list(lm.get_decoder().layers)  # type: ignore[operator, union-attr]
@@ -147,3 +148,16 @@ def build_training_model(policy: Policy, cfg: EngineConfig, dist: Dist) -> Train
              sum(p.numel() for p in model.params), "" if shared else
              "; generation uses its own full copy")
     return model
+
+
+def enable_activation_checkpointing(lm: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass, non-reentrant (it works with
+    frozen inputs, as LoRA's, and with FSDP2's hooks). transformers 5.2x names it
+    `activation_checkpointing_enable`; earlier releases (5.17 among them) only
+    `gradient_checkpointing_enable`."""
+    enable = getattr(lm, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        lm.gradient_checkpointing_enable(  # type: ignore[operator]
+            gradient_checkpointing_kwargs={"use_reentrant": False})

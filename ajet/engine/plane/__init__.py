@@ -6,6 +6,8 @@
     serving.py        one completion of an episode, shared by every `/v1/*` route
     openai_api.py     chat completions, completions, models
     responses_api.py  the Responses API
-    request_policy.py which request fields the engine honours, accepts or refuses
+    messages_api.py   Anthropic's Messages API (and count_tokens)
+    request_policy.py which request fields the engine honours, accepts or refuses, and
+                      `PlaneRequest`, the one request every API's body becomes
     chat_format.py    chat template rendering and tool-call parsing
 """

@@ -6,8 +6,9 @@
     POST /end_episode           EndEpisodeRequest -> EndEpisodeResponse; 404 unknown, 409 closed
     POST /abort_episode         AbortEpisodeRequest -> {"episode_uuid", "requeued"}
     /v1/...                     the OpenAI-compatible routes, header X-Episode-UUID: chat
-                                completions, completions, models (`openai_api`) and
-                                responses (`responses_api`)
+                                completions, completions, models (`openai_api`),
+                                responses (`responses_api`) and Anthropic's messages and
+                                messages/count_tokens (`messages_api`)
 
 The original AgentJet's statistics and client calls (answered by the server's
 `routes/original.py` through the gateway):
@@ -19,7 +20,8 @@ The original AgentJet's statistics and client calls (answered by the server's
     POST /agree_sync_weight     {client_uuid} -> {"success", "failure_reason"}
 
 Errors are `{"detail", "hint"}` like the public API, plus `param` (the request field at
-fault) where one is named; the swarm server turns them into OpenAI's shape on `/v1/*`.
+fault) where one is named; the swarm server turns them into OpenAI's shape on `/v1/*`
+(Anthropic's on `/v1/messages`).
 Authentication is not done here: only the swarm server can reach the socket (0600, in the
 run directory), and it checks tokens and signed episode keys before forwarding.
 """
@@ -36,18 +38,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ajet.engine.plane.episode_plane import EpisodePlane
 from ajet.engine.plane.episodes import EpisodeError
+from ajet.engine.plane.messages_api import messages_router
 from ajet.engine.plane.openai_api import openai_router
 from ajet.engine.plane.responses_api import responses_router
 from ajet.protocol import (
     AbortEpisodeRequest,
+    AgreeSyncWeightRequest,
     BeginEpisodeRequest,
+    CanContinueEpisodeRequest,
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
-)
-from ajet.tuner_lib.experimental.interchange_utils import (
-    AgreeSyncWeightRequest,
-    CanContinueEpisodeRequest,
 )
 
 __all__ = ["create_channel_app"]
@@ -110,6 +111,7 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
 
     app.include_router(openai_router(plane))
     app.include_router(responses_router(plane))
+    app.include_router(messages_router(plane))
     return app
 
 

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ajet.engine.trajectory import ChatMessage, chat_message
+
 __all__ = [
     "QWEN25_RESPONSE_TEMPLATE",
     "ChatFormat",
@@ -122,6 +124,10 @@ class RenderedPrompt:
     ids: list[int]
     #: the prompt as text (what the response parser reads as its prefix)
     text: str
+    #: the messages as rendered, for the trajectory record (None: not a chat)
+    messages: tuple[ChatMessage, ...] | None = None
+    #: (message index, start, end) of each assistant message in `ids` (`assistant_spans`)
+    assistant_spans: tuple[tuple[int, int, int], ...] = ()
 
 
 def new_call_id() -> str:
@@ -133,6 +139,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        #: transformers renders control tokens in messages as text itself (5.2x and later)
+        self.sanitizes = _has_sanitize(tokenizer)
         template = getattr(tokenizer, "chat_template", None)
         own = getattr(tokenizer, "response_template", None)
         if own is not None:
@@ -164,19 +172,130 @@ class ChatFormat:
                 "never see them", "send no tools, or use a checkpoint whose chat template "
                 "takes `tools` (apply_chat_template(..., tools=...))", param="tools")
         text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
-        return RenderedPrompt(ids=ids, text=text)
+        return RenderedPrompt(ids=ids, text=text,
+                              messages=tuple(chat_message(m) for m in chat),
+                              assistant_spans=self.assistant_spans(chat, tool_list, ids,
+                                                                   template_kwargs or {}))
+
+    def assistant_spans(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        ids: list[int], kwargs: dict[str, Any]
+                        ) -> tuple[tuple[int, int, int], ...]:
+        """Where each assistant message sits in the rendered prompt `ids`.
+
+        The message's block starts where the chat before it, rendered with the generation
+        prompt, ends, and ends where the chat up to it ends; both must be prefixes of the
+        prompt. A message for which either is not (a template that re-renders earlier
+        turns, such as one that drops old reasoning) has no span, and the trajectory
+        keeps its tokens as they were rendered. The prefixes are rendered as text and
+        placed with the fast tokenizer's offsets (one tokenisation of the whole prompt);
+        where the prompt's ids are not that tokenisation (a control token written as
+        text) each prefix is tokenised instead.
+        """
+        indices = [i for i, m in enumerate(chat) if m.get("role") == "assistant" and i > 0]
+        if not indices:
+            return ()
+        text = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        starts = self._token_starts(text, ids)
+        spans = []
+        for index in indices:
+            try:
+                if starts is None:
+                    head_ids = self._apply(chat[:index], tools, kwargs)
+                    block_ids = self._apply(chat[:index + 1], tools, kwargs,
+                                            generation_prompt=False)
+                    before, upto = len(head_ids), len(block_ids)
+                    placed = ids[:before] == head_ids and ids[:upto] == block_ids
+                else:
+                    head = self._render_text(chat[:index], tools, kwargs, True)
+                    block = self._render_text(chat[:index + 1], tools, kwargs, False)
+                    placed = (text.startswith(head) and text.startswith(block)
+                              and len(head) in starts and len(block) in starts)
+                    before = starts.get(len(head), 0)
+                    upto = starts.get(len(block), 0)
+            except FormatError:
+                continue
+            if placed and before <= upto:
+                spans.append((index, before, upto))
+        return tuple(spans)
+
+    def _token_starts(self, text: str, ids: list[int]) -> dict[int, int] | None:
+        """Character offset -> index of the token starting there (the end: len(ids))."""
+        if not getattr(self.tokenizer, "is_fast", False):
+            return None
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        if [int(i) for i in encoded["input_ids"]] != ids:
+            return None
+        starts: dict[int, int] = {}
+        for index, (begin, _) in enumerate(encoded["offset_mapping"]):
+            starts.setdefault(int(begin), index)
+        starts[len(text)] = len(ids)
+        return starts
+
+    def _render_text(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any], generation_prompt: bool) -> str:
+        try:
+            return str(self.tokenizer.apply_chat_template(
+                chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=False,
+                **kwargs))
+        except Exception as exc:  # as in _apply: whatever the template raises
+            raise FormatError(f"the model's chat template cannot render these messages: {exc}",
+                              "send messages in the roles and shapes the template accepts",
+                              param="messages") from exc
 
     def _apply(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               kwargs: dict[str, Any]) -> list[int]:
+               kwargs: dict[str, Any], *, generation_prompt: bool = True) -> list[int]:
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                chat, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=True,
-                sanitize_control_tokens=True, **kwargs)
+            if self.sanitizes:
+                encoded = self.tokenizer.apply_chat_template(
+                    chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=True,
+                    return_dict=True, sanitize_control_tokens=True, **kwargs)
+                return [int(i) for i in encoded["input_ids"]]
+            return self._apply_marked(chat, tools, kwargs, generation_prompt=generation_prompt)
         except Exception as exc:  # jinja's TemplateError and whatever the template raises
             raise FormatError(f"the model's chat template cannot render these messages: {exc}",
                               "send messages in the roles and shapes the template accepts",
                               param="messages") from exc
-        return [int(i) for i in encoded["input_ids"]]
+
+    def _apply_marked(self, chat: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      kwargs: dict[str, Any], *, generation_prompt: bool = True) -> list[int]:
+        """`sanitize_control_tokens` for transformers releases without it (before 5.2x):
+        control tokens inside the messages and tools become one private-use character
+        each, the template renders, and those characters are encoded back as the control
+        token's text, never as the token; only the template's own control tokens stay
+        tokens."""
+        tok = self.tokenizer
+        controls = sorted({*tok.all_special_tokens,
+                           *(t.content for t in tok.added_tokens_decoder.values())},
+                          key=len, reverse=True)
+        marks = {control: chr(_MARK_BASE + i) for i, control in enumerate(controls)}
+        unmark = {mark: control for control, mark in marks.items()}
+        pattern = re.compile("|".join(re.escape(c) for c in controls)) if controls else None
+
+        def mark(value: Any) -> Any:
+            if isinstance(value, str):
+                if any(ch in unmark for ch in value):
+                    raise ValueError("the messages hold characters from the private-use "
+                                     f"range U+{_MARK_BASE:X}.. that this server reserves")
+                return pattern.sub(lambda m: marks[m.group(0)], value) if pattern else value
+            if isinstance(value, list):
+                return [mark(v) for v in value]
+            if isinstance(value, dict):
+                return {k: mark(v) for k, v in value.items()}
+            return value
+
+        text = tok.apply_chat_template(mark(chat), tools=mark(tools),
+                                       add_generation_prompt=generation_prompt, tokenize=False,
+                                       **kwargs)
+        ids: list[int] = []
+        for piece in re.split(f"([{''.join(unmark)}])", text) if unmark else [text]:
+            if not piece:
+                continue
+            if piece in unmark:
+                ids += tok(unmark[piece], add_special_tokens=False,
+                           split_special_tokens=True)["input_ids"]
+            else:
+                ids += tok(piece, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids]
 
     # ------------------------------------------------------------------ parsing
 
@@ -340,3 +459,15 @@ def _parse_qwen25_blocks(text: str) -> dict[str, Any]:  # pragma: no cover - old
 
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:300]
+
+
+#: First of the private-use characters that stand for control tokens while a chat
+#: renders without `sanitize_control_tokens` (supplementary private-use area A).
+_MARK_BASE = 0xF0000
+
+
+def _has_sanitize(tokenizer: Any) -> bool:
+    """Whether this transformers' `apply_chat_template` takes `sanitize_control_tokens`."""
+    import inspect
+
+    return "sanitize_control_tokens" in inspect.signature(tokenizer.apply_chat_template).parameters

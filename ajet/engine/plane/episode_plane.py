@@ -35,8 +35,12 @@ class EpisodePlane:
     run_id: str | None
     ajet_file: str
     world_size: int = 1
-    #: `ajet.__file__` of every rank (rank 0 first), for the server's snapshot check
+    #: `ajet.__file__` of every rank (rank 0 first)
     ranks_ajet_files: list[str] = field(default_factory=list)
+    #: content id of the ajet/ tree rank 0 imported (`packaging.folder_snapshot_id`)
+    snapshot_id: str | None = None
+    #: the same for every rank, rank 0 first: the server's code check compares these
+    ranks_snapshot_ids: list[str | None] = field(default_factory=list)
     policy: Policy | None = None
     inference: Generator | None = None
     #: the policy's chat template and response parsing; built with `set_policy`
@@ -66,6 +70,8 @@ class EpisodePlane:
             state=self.registry.state, pid=os.getpid(), ajet_file=self.ajet_file,
             step=self.registry.step, run_id=self.run_id, world_size=self.world_size,
             ranks_ajet_files=self.ranks_ajet_files or [self.ajet_file],
+            snapshot_id=self.snapshot_id,
+            ranks_snapshot_ids=self.ranks_snapshot_ids or [self.snapshot_id],
             episodes_in_flight=snap["episodes_in_flight"],
             info={**self.info, **snap, "uptime_s": round(time.time() - self.started_at, 3),
                   **({"generation": self.inference.stats()} if self.inference else {})},

@@ -14,6 +14,7 @@ tools were offered, `tool_call_parse_error` and `tool_choice_unmet` (docs/api.md
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid as uuidlib
@@ -38,6 +39,7 @@ from ajet.engine.plane.request_policy import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    PlaneRequest,
     Sampling,
     ToolChoice,
     parse_body,
@@ -48,6 +50,7 @@ from ajet.engine.plane.request_policy import (
 )
 from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.engine.trajectory import reply_message
 
 
 __all__ = [
@@ -55,8 +58,10 @@ __all__ = [
     "accept_body",
     "ajet_field",
     "build_turn",
+    "chat_request",
     "ChatTooLarge",
     "check_prompt_length",
+    "completion_request",
     "episode_header",
     "finish_reason",
     "finish_reply",
@@ -92,6 +97,8 @@ class ChatTurn:
     ask: GenerationAsk
     model_name: str
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the agent that asked: the request's `model` name (timelines never mix agents)
+    agent: str = ""
 
     def content_stream(self, fmt: ChatFormat) -> ContentStream | None:
         """Streams content around tool calls; None when no tool call can appear."""
@@ -152,7 +159,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
             return _sse(_completion_stream(plane, fmt, generation, turn, logprobs=logprobs,
                                            include_usage=include_usage))
         result = await generation.wait()
-        generation.record(result)
+        generation.record(result, agent=turn.agent)
         return JSONResponse(_completion_body(plane, fmt, turn, result, logprobs=logprobs))
 
     return router
@@ -219,26 +226,34 @@ async def start_chat(plane: EpisodePlane, episode_uuid: str,
 def prepare_chat(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
                  body: ChatCompletionRequest) -> ChatTurn:
     """Check a chat body against the run and render it with the checkpoint's template."""
+    return build_turn(plane, fmt, episode_uuid, chat_request(plane, body))
+
+
+def chat_request(plane: EpisodePlane, body: ChatCompletionRequest) -> PlaneRequest:
+    """A chat completions body as the plane's request."""
     cfg = plane.cfg
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = resolve_tool_choice(body.tool_choice, [t["function"]["name"] for t in tools])
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
     asked, param = ((body.max_completion_tokens, "max_completion_tokens")
                     if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens"))
-    return build_turn(plane, fmt, episode_uuid, messages=messages, tools=tools, choice=choice,
-                      parallel=body.parallel_tool_calls is not False,
-                      max_tokens=resolve_max_tokens(asked, param=param,
-                                                    default=cfg.max_new_tokens,
-                                                    limit=cfg.max_response_length),
-                      stop=resolve_stop(body.stop), temperature=body.temperature,
-                      top_p=body.top_p)
+    return PlaneRequest(
+        messages=[m.model_dump(exclude_none=True) for m in body.messages], tools=tools,
+        choice=choice, parallel=body.parallel_tool_calls is not False,
+        max_tokens=resolve_max_tokens(asked, param=param, default=cfg.max_new_tokens,
+                                      limit=cfg.max_response_length),
+        stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p,
+        agent=body.model or "")
 
 
-def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, *,
-               messages: list[dict[str, Any]], tools: list[dict[str, Any]], choice: ToolChoice,
-               parallel: bool, max_tokens: int, stop: tuple[str, ...],
-               temperature: float | None, top_p: float | None) -> ChatTurn:
-    """Render a chat (messages + tools) and decide how to sample it."""
+def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
+               request: PlaneRequest) -> ChatTurn:
+    """Render the plane's request (messages + tools) and decide how to sample it.
+
+    `request.agent` is the name the request called the model by (its `model`): an
+    episode's completions are merged into timelines per agent, and the job may train
+    some only.
+    """
+    tools, choice = request.tools, request.choice
     offered = tools if tools and choice.mode != "none" else None
     if offered and not fmt.parses_tool_calls:
         raise BadRequest("this checkpoint's tool-call format is unknown, so calls could not be "
@@ -248,20 +263,32 @@ def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, *,
     template_kwargs: dict[str, Any] = {}
     if offered:
         template_kwargs = {"tool_choice": choice.name or choice.mode,
-                           "parallel_tool_calls": parallel}
-    try:
-        prompt = fmt.render(messages, tools=offered, template_kwargs=template_kwargs)
-    except FormatError as exc:
-        raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
-    check_prompt_length(plane, len(prompt.ids), param="messages")
-    sampling = _sampling(plane, episode_uuid, temperature, top_p)
-    return ChatTurn(prompt=prompt, tools=offered, choice=choice, parallel_tool_calls=parallel,
-                    sampling=sampling, ask=_ask(prompt.ids, max_tokens, stop, sampling),
-                    model_name=plane.cfg.model)
+                           "parallel_tool_calls": request.parallel}
+    prompt = request.prompt
+    if prompt is None:
+        try:
+            prompt = fmt.render(request.messages or [], tools=offered,
+                                template_kwargs=template_kwargs)
+        except FormatError as exc:
+            raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
+    check_prompt_length(plane, len(prompt.ids), param=request.prompt_param)
+    sampling = _sampling(plane, episode_uuid, request.temperature, request.top_p)
+    if request.ignored:
+        sampling = dataclasses.replace(sampling, ignored=(*sampling.ignored, *request.ignored))
+    return ChatTurn(prompt=prompt, tools=offered, choice=choice,
+                    parallel_tool_calls=request.parallel, sampling=sampling,
+                    ask=_ask(prompt.ids, request.max_tokens, request.stop, sampling),
+                    model_name=plane.cfg.model, extra=dict(request.notes), agent=request.agent)
 
 
 def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
                         body: CompletionRequest) -> ChatTurn:
+    return build_turn(plane, fmt, episode_uuid, completion_request(plane, fmt, body))
+
+
+def completion_request(plane: EpisodePlane, fmt: ChatFormat, body: CompletionRequest
+                       ) -> PlaneRequest:
+    """A completions body (one prompt, text or token ids) as the plane's request."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -277,16 +304,15 @@ def _prepare_completion(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
             raise BadRequest(f"prompt token ids must be a non-empty list of ids below {vocab}",
                              "send the prompt as text, or valid token ids", param="prompt")
         ids = [int(i) for i in prompt]
-    check_prompt_length(plane, len(ids), param="prompt")
     cfg = plane.cfg
     text = str(tokenizer.decode(ids, skip_special_tokens=False))
-    max_tokens = resolve_max_tokens(body.max_tokens, param="max_tokens",
-                                    default=cfg.max_new_tokens, limit=cfg.max_response_length)
-    sampling = _sampling(plane, episode_uuid, body.temperature, body.top_p)
-    return ChatTurn(prompt=RenderedPrompt(ids=ids, text=text), tools=None,
-                    choice=ToolChoice("none"), parallel_tool_calls=False, sampling=sampling,
-                    ask=_ask(ids, max_tokens, resolve_stop(body.stop), sampling),
-                    model_name=cfg.model)
+    return PlaneRequest(
+        messages=None, tools=[], choice=ToolChoice("none"), parallel=False,
+        max_tokens=resolve_max_tokens(body.max_tokens, param="max_tokens",
+                                      default=cfg.max_new_tokens, limit=cfg.max_response_length),
+        stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p,
+        prompt=RenderedPrompt(ids=ids, text=text), prompt_param="prompt",
+        agent=body.model or "")
 
 
 def check_prompt_length(plane: EpisodePlane, n_tokens: int, *, param: str) -> None:
@@ -322,7 +348,11 @@ def finish_reply(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
     except BaseException:
         generation.release()
         raise
-    generation.record(result, tool_call_parse_error=reply.parse_error is not None)
+    generation.record(result, tool_call_parse_error=reply.parse_error is not None,
+                      agent=turn.agent, messages=turn.prompt.messages,
+                      assistant_spans=turn.prompt.assistant_spans,
+                      reply=reply_message(reply.content,
+                                          [(c.name, c.arguments) for c in reply.tool_calls]))
     return reply
 
 
@@ -495,7 +525,7 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
                 continue
             result: GenerationResult = payload
             try:
-                generation.record(result)
+                generation.record(result, agent=turn.agent)
             except EpisodeError as exc:
                 yield stream_error(exc)
                 break

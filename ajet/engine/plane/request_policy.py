@@ -22,17 +22,21 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ajet.engine.plane.episodes import EVAL_EPISODE, EpisodeError
 
+if TYPE_CHECKING:
+    from ajet.engine.plane.chat_format import RenderedPrompt
+
 __all__ = [
     "BadRequest",
     "ChatCompletionRequest",
     "CompletionRequest",
+    "PlaneRequest",
     "RequestBody",
     "Sampling",
     "ToolChoice",
@@ -217,6 +221,42 @@ def _dotted(loc: list[str]) -> str:
     for part in loc:
         out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
     return out
+
+
+# ---------------------------------------------------------------------------- the plane's request
+
+
+@dataclass(frozen=True)
+class PlaneRequest:
+    """One call of any API in the plane's own terms: what `openai_api.build_turn` serves.
+
+    Each API turns its body into this exactly once (chat completions: `openai_api.
+    chat_request`, completions: `openai_api.completion_request`, Responses:
+    `responses_api.responses_request`, Messages: `messages_api.messages_request`); from
+    here on rendering, sampling, generation and recording are one path, so an episode
+    records the same token ids whichever API a workflow speaks.
+    """
+
+    #: OpenAI chat messages (rendered with the checkpoint's template), or None with `prompt`
+    messages: list[dict[str, Any]] | None
+    #: OpenAI chat tools (`{"type": "function", "function": {...}}`)
+    tools: list[dict[str, Any]]
+    choice: ToolChoice
+    parallel: bool
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    temperature: float | None = None
+    top_p: float | None = None
+    #: a prompt given as tokens already (completions): not rendered
+    prompt: RenderedPrompt | None = None
+    #: the request field named when the prompt is too long
+    prompt_param: str = "messages"
+    #: request parameters not applied, besides temperature and top_p (`ajet.ignored`)
+    ignored: tuple[str, ...] = ()
+    #: what the reply's `ajet` field says about how the request was served
+    notes: dict[str, Any] = field(default_factory=dict)
+    #: the agent that asked: the request's `model` name (timelines never mix agents)
+    agent: str = ""
 
 
 # ---------------------------------------------------------------------------- resolution

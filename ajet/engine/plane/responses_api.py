@@ -45,6 +45,7 @@ from ajet.engine.plane.openai_api import (
 )
 from ajet.engine.plane.request_policy import (
     BadRequest,
+    PlaneRequest,
     RequestBody,
     resolve_max_tokens,
     resolve_tool_choice,
@@ -53,7 +54,7 @@ from ajet.engine.plane.serving import Generation
 from ajet.engine.plane.episode_plane import EpisodePlane
 
 
-__all__ = ["ResponsesRequest", "responses_router", "responses_to_messages"]
+__all__ = ["ResponsesRequest", "responses_request", "responses_router", "responses_to_messages"]
 
 RESPONSES_PARAMS = frozenset({"input", "instructions", "tools", "tool_choice",
                               "parallel_tool_calls", "max_output_tokens", "stream",
@@ -131,16 +132,21 @@ def _check_include(include: list[str] | None) -> bool:
 
 def _prepare(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, body: ResponsesRequest
              ) -> ChatTurn:
+    return build_turn(plane, fmt, episode_uuid, responses_request(plane, body))
+
+
+def responses_request(plane: EpisodePlane, body: ResponsesRequest) -> PlaneRequest:
+    """A Responses body as the plane's request (input items as chat messages)."""
     tools = [_chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = resolve_tool_choice(body.tool_choice, [t["function"]["name"] for t in tools])
     cfg = plane.cfg
-    return build_turn(
-        plane, fmt, episode_uuid, messages=responses_to_messages(body.instructions, body.input),
-        tools=tools, choice=choice, parallel=body.parallel_tool_calls is not False,
+    return PlaneRequest(
+        messages=responses_to_messages(body.instructions, body.input), tools=tools,
+        choice=choice, parallel=body.parallel_tool_calls is not False,
         max_tokens=resolve_max_tokens(body.max_output_tokens, param="max_output_tokens",
                                       default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
-        stop=(), temperature=body.temperature, top_p=body.top_p)
+        temperature=body.temperature, top_p=body.top_p, agent=body.model or "")
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:

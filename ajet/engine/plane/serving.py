@@ -32,7 +32,7 @@ from ajet.engine.generation.interface import (
     GenerationResult,
     Generator,
 )
-from ajet.engine.trajectory import Completion
+from ajet.engine.trajectory import ChatMessage, Completion
 
 __all__ = ["EngineUnavailable", "Generation", "GenerationAsk", "GenerationTracker",
            "PromptTooLong", "start_generation"]
@@ -105,14 +105,24 @@ class Generation:
             if kind == "done":
                 return payload  # type: ignore[no-any-return]
 
-    def record(self, result: GenerationResult, *, tool_call_parse_error: bool = False) -> None:
-        """Attach the completion to its episode; raises if the episode closed meanwhile."""
+    def record(self, result: GenerationResult, *, tool_call_parse_error: bool = False,
+               agent: str = "", messages: tuple[ChatMessage, ...] | None = None,
+               assistant_spans: tuple[tuple[int, int, int], ...] = (),
+               reply: ChatMessage | None = None) -> None:
+        """Attach the completion to its episode; raises if the episode closed meanwhile.
+
+        Chat-shaped calls pass the plane's record of the request (`messages` as rendered,
+        `assistant_spans`) and the parsed `reply`: the trajectory merges an episode's
+        calls into timelines with them (`ajet.engine.trajectory`).
+        """
         completion = Completion(prompt_ids=tuple(result.prompt_ids),
                                 response_ids=tuple(result.response_ids),
                                 logprobs=tuple(result.logprobs),
                                 finish_reason=result.finish_reason,
                                 policy_step=self.registry.step,
-                                tool_call_parse_error=tool_call_parse_error)
+                                tool_call_parse_error=tool_call_parse_error, agent=agent,
+                                messages=messages, assistant_spans=assistant_spans,
+                                reply=reply)
         self._close()
         if not self.registry.chat_finished(self.episode_uuid, completion):
             raise EpisodeClosed(

@@ -81,6 +81,9 @@ _FP32 = 4
 _CUDA_CONTEXT = 1 * GiB
 #: NCCL's communicator buffers on each rank of a multi-GPU job.
 _NCCL_BUFFERS = GiB // 2
+#: Full bytes per all-gather when the weights are published (the same number as
+#: `parallel.distributed.PUBLISH_BUCKET_BYTES`, which this torch-free module cannot import).
+PUBLISH_BUCKET_BYTES = 256 * MiB
 #: The caching allocator's reserved-but-unallocated share (fragmentation) on GPUs: a
 #: share of the tensors of each phase.
 _GPU_ALLOCATOR_SLACK = 0.05
@@ -696,15 +699,20 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
             terms.append(Term("FSDP2 unsharded gradients (head, one layer)",
                               compute * head + reduce * shape.layer_parameters,
                               "transient", ("backward",)))
+    largest_adapter = job.lora_rank * max(
+        shape.intermediate_size, shape.vocab_size)  # an adapter's A or B, at most
     if sharded:
-        # publish() after the step: one parameter gathered whole in fp32 at a time
-        terms.append(Term("weights publish (largest parameter gathered, fp32)",
-                          shape.embedding_parameters * _FP32, "transient",
-                          ("optimizer step",)))
+        # publish() after the step: shards cast to the generation dtype, gathered in
+        # buckets of PUBLISH_BUCKET_BYTES (a larger parameter alone), one parameter at a
+        # time unpacked out of the bucket
+        published = adapters * compute if lora else p * compute
+        largest_full = (shape.embedding_parameters if not lora else largest_adapter) * compute
+        bucket = min(published, max(PUBLISH_BUCKET_BYTES, largest_full))
+        terms.append(Term("weights publish (one bucket gathered, one parameter unpacked)",
+                          bucket + largest_full, "transient", ("optimizer step",)))
     # AdamW's step: foreach on GPUs (a sqrt of every second moment at once), one
     # parameter at a time on CPU (two temporaries of the largest)
-    largest = shape.embedding_parameters if not lora else job.lora_rank * max(
-        shape.intermediate_size, shape.vocab_size)  # an adapter's A or B, at most
+    largest = shape.embedding_parameters if not lora else largest_adapter
     step_temp = per_rank(trainable * _FP32) if job.on_gpu else 2 * per_rank(largest) * _FP32
     terms.append(Term("AdamW step temporaries", step_temp, "transient", ("optimizer step",)))
 

@@ -1,6 +1,17 @@
 """The original's earlier name of `ajet.tuner_lib.experimental.swarm_client` (an alias)."""
 
-from ajet.tuner_lib.experimental import swarm_client as _swarm_client
-from ajet.tuner_lib.experimental.swarm_client import *  # noqa: F403 - an alias, by design
+from ajet.tuner_lib.experimental.swarm_client import (
+    SwarmClient,
+    SwarmServerOfflineError,
+    SwarmThrottlePolicy,
+    auto_train_with_dataset,
+    run_episodes_until_all_complete,
+)
 
-__all__ = _swarm_client.__all__
+__all__ = [
+    "SwarmClient",
+    "SwarmServerOfflineError",
+    "SwarmThrottlePolicy",
+    "auto_train_with_dataset",
+    "run_episodes_until_all_complete",
+]

@@ -1,18 +1,23 @@
-"""The original AgentJet wire models: the bodies its swarm client and server exchange.
+"""The original's module path of its wire models (ajet/compat/wire.py)."""
 
-They are named and shaped as in AgentJet's `interchange_utils` so that scripts importing
-them (`SwarmThrottlePolicy` above all) keep working, and so that this project's server
-can read the original client's requests (`swarm_server/routes/original.py`) through the
-one boundary module that converts them, `ajet.original_wire`. Light: pydantic only.
-"""
-
-from __future__ import annotations
-
-import time
-
-from pydantic import BaseModel, ConfigDict, Field
-
-from ajet.schema.task import WorkflowOutput
+from ajet.compat.wire import (
+    CLIENT_ACTIVE_TIMEOUT,
+    VALID_STATUSES,
+    ActiveSwarmClient,
+    AgreeSyncWeightRequest,
+    BoolResponse,
+    CanContinueEpisodeRequest,
+    CanContinueEpisodeResponse,
+    ClaimEpisodeRequest,
+    ClaimEpisodeResponse,
+    EndEpisodeRequest,
+    EndEpisodeResponse,
+    EpisodeBufferResponse,
+    EpisodeStatus,
+    SwarmClientInstruction,
+    SwarmThrottlePolicy,
+    SyncTrainConfigRequest,
+)
 
 __all__ = [
     "CLIENT_ACTIVE_TIMEOUT",
@@ -32,122 +37,3 @@ __all__ = [
     "SwarmThrottlePolicy",
     "SyncTrainConfigRequest",
 ]
-
-VALID_STATUSES = [
-    "ENGINE.OFFLINE",
-    "ENGINE.BOOTING",
-    "ENGINE.ROLLING",
-    "ENGINE.ROLLING_POST",
-    "ENGINE.WEIGHT_SYNCING",
-]
-
-#: A client falls off the active list after this long without a claim or a chat (seconds).
-CLIENT_ACTIVE_TIMEOUT = 10 * 60
-
-_ID = 100  # longest client or episode id the server reads (this project's limit)
-_TASK_ID = 500  # longest task id
-
-
-class _Body(BaseModel):
-    # A request body: unknown keys are refused so a typo is named, not ignored.
-    model_config = ConfigDict(extra="forbid")
-
-
-class SyncTrainConfigRequest(_Body):
-    yaml_as_string: str = Field(max_length=1_000_000,
-                                description="The job as the original's nested `ajet:` YAML")
-
-
-class SwarmThrottlePolicy(BaseModel):
-    """Keep one task from taking over a batch when several clients share a server."""
-
-    ratio: float = Field(default=1.5, ge=0, le=100,
-                         description="At most expected_batch_size * ratio distinct tasks of "
-                                     "this client in a batch")
-    expected_batch_size: int = Field(ge=0, description="Tasks in a batch")
-    expected_num_repeat: int = Field(ge=0, description="Episodes per task")
-    current_task_id: str = Field(max_length=_TASK_ID,
-                                 description="The task about to be claimed for")
-
-
-class ClaimEpisodeRequest(_Body):
-    client_uuid: str = Field(max_length=_ID)
-    episode_type: str = Field(max_length=20, description="'train' or 'eval'")
-    discard_episode_timeout: float = Field(gt=0, le=86_400,
-                                           description="Idle seconds before the server "
-                                                       "re-queues the episode")
-    throttle_policy: SwarmThrottlePolicy | None = None
-
-
-class ClaimEpisodeResponse(BaseModel):
-    success: bool
-    client_uuid: str
-    episode_uuid: str
-    openai_base_url: str = ""
-    openai_api_key: str = ""
-    fail_cause: str = ""
-
-
-class CanContinueEpisodeRequest(_Body):
-    client_uuid: str = Field(max_length=_ID)
-    episode_uuid: str = Field(max_length=_ID)
-
-
-class CanContinueEpisodeResponse(BaseModel):
-    can_continue: bool
-
-
-class EndEpisodeRequest(_Body):
-    """The original's body of both `/end_episode` and `/abort_episode`."""
-
-    client_uuid: str = Field(max_length=_ID)
-    episode_uuid: str = Field(max_length=_ID)
-    workflow_output: WorkflowOutput
-    task_id: str = Field(max_length=_TASK_ID)
-    declare_client_active: bool = True
-
-
-class EndEpisodeResponse(BaseModel):
-    success: bool
-
-
-class EpisodeStatus(BaseModel):
-    """One claimed episode, as `/get_episode_buffer` lists it (keys are never included)."""
-
-    episode_uuid: str
-    episode_status: str = ""
-    episode_type: str = "train"
-    openai_base_url: str = ""
-    openai_api_key: str = ""
-    client_uuid: str = ""
-    zmq_listen_result_addr: str = ""
-    latest_activity_timestamp: float = Field(default_factory=time.time)
-    discard_episode_timeout: float
-    llm_call_count: int = 0
-    debug_log: list[str] = Field(default_factory=list)
-    optional_task_id: str = ""
-
-
-class EpisodeBufferResponse(BaseModel):
-    buffer: list[EpisodeStatus]
-
-
-class BoolResponse(BaseModel):
-    success: bool
-    failure_reason: str = ""
-
-
-class AgreeSyncWeightRequest(_Body):
-    client_uuid: str = Field(max_length=_ID)
-
-
-class ActiveSwarmClient(BaseModel):
-    """A client that ended a rewarded episode since the last weight sync."""
-
-    client_uuid: str
-    last_activity_at: float
-    allowed_sync_weight: bool = False
-
-
-class SwarmClientInstruction(BaseModel):
-    active_clients: list[ActiveSwarmClient] = Field(default_factory=list)

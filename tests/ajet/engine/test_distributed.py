@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from ajet.errors import EngineStateConflict
 from ajet.protocol import EngineState
 from swarm_server.engine import engine_command
 from swarm_server.settings import Settings
-from tests.support import PROJECT_ROOT, process_alive, start_server
+from tests.support import PROJECT_ROOT, free_port, make_ajet_repo, process_alive, start_server
 
 JOB = dict(batch_size=1, num_repeat=4, max_new_tokens=8, lr=0.01, seed=3)
 
@@ -40,6 +41,61 @@ def test_engine_command_wraps_multi_process_jobs_in_torchrun(tmp_path: Path) -> 
                                                   "rdzv_endpoint": "10.0.0.1:29500"})
     assert "--nproc_per_node=8" in gpu and "--nnodes=2" in gpu and "--node_rank=1" in gpu
     assert "--master_addr=10.0.0.1" in gpu and "--master_port=29500" in gpu
+
+
+def test_with_nccl_configured_every_control_message_goes_over_the_cpu_group(
+        tmp_path: Path) -> None:
+    """Two processes, the default group torch's fake one where NCCL was asked for
+    (`control_probe.py`): the commands still arrive, so they crossed on the gloo group."""
+    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "WORLD_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+    probe = str(Path(__file__).with_name("control_probe.py"))
+    ranks = [subprocess.Popen([sys.executable, probe, str(tmp_path / f"rank{r}.json")],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in (0, 1)]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    for found in (zero, one):
+        # NCCL (here: fake) for tensors, with the 30-minute default and async error
+        # handling; one gloo group with the long timeout for control
+        assert found["asked"] == {"backend": "nccl", "timeout_s": 1800.0}
+        assert found["default_backend"] == "fake" and found["device_type"] == "cuda"
+        assert found["groups"] == [{"backend": "gloo", "timeout_s": 86400.0}]
+        assert found["control_backend"] == "gloo"
+        assert found["async_error_handling"] == "3"
+        assert found["gathered"] == [[0, "endpoint-0"], [1, "endpoint-1"]]
+        assert found["max_int"] == 6 and found["sum_floats"] == [3.0, 1.0]
+    # the follower's command loop got both batches and the stop
+    assert one["steps"] == 2 and one["batches"] == [[[3], [5, 6]], [[3]]]
+
+
+#: torch.distributed calls that carry control messages (objects and scalars): each must
+#: name its group, and in the engine that group is the CPU one (`Dist.control`).
+_CONTROL_CALLS = {"broadcast_object_list", "all_gather_object", "gather_object",
+                  "scatter_object_list", "send_object_list", "recv_object_list",
+                  "all_reduce", "broadcast", "barrier", "monitored_barrier"}
+
+
+def test_no_control_collective_in_the_engine_runs_on_the_default_group() -> None:
+    """Every object or scalar collective the engine issues names the control group."""
+    import ast
+
+    found = []
+    for path in sorted((PROJECT_ROOT / "ajet").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in _CONTROL_CALLS):
+                continue
+            owner = ast.unparse(node.func.value)
+            if owner not in ("torch_dist", "torch.distributed", "dist_c10d"):
+                continue
+            group = next((k.value for k in node.keywords if k.arg == "group"), None)
+            found.append((path.relative_to(PROJECT_ROOT).as_posix(), node.func.attr,
+                          ast.unparse(group) if group is not None else None))
+    assert found, "no collective found: the scan is looking in the wrong place"
+    assert {(f, call) for f, call, group in found if group != "self.control"} == set(), found
 
 
 def _episodes(client: SwarmClient, n: int) -> None:
@@ -192,6 +248,46 @@ def test_a_killed_rank_brings_the_engine_offline_with_its_error(tmp_path: Path) 
             while any(process_alive(p) for p in [status.pid, *ranks]):
                 assert time.monotonic() < deadline, "a process of the engine tree survived"
                 time.sleep(0.1)
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_an_exception_on_one_rank_ends_the_run_within_a_minute_naming_it(
+        tmp_path: Path) -> None:
+    """A synced snapshot whose loss raises on rank 1 only, at its first update."""
+    repo = make_ajet_repo(tmp_path / "repo")
+    loss = repo / "ajet" / "engine" / "loss.py"
+    assert "def policy_loss(" in loss.read_text(), "loss.py changed shape; update this test"
+    with open(loss, "a") as f:  # the learner imports the name after this module ran
+        f.write("\n\n_policy_loss = policy_loss\n\n\n"
+                "def policy_loss(*args, **kwargs):  # type: ignore[no-redef]\n"
+                "    import os\n"
+                "    if os.environ.get('RANK') == '1':\n"
+                "        raise RuntimeError('loss exploded on rank 1 (test)')\n"
+                "    return _policy_loss(*args, **kwargs)\n")
+    server = start_server(tmp_path / "swarm")
+    try:
+        with SwarmClient(server.url, timeout=60) as client:
+            client.push_code(repo)
+            status = client.configure_and_start(AgentJetJob(n_proc=2, **JOB), wait_timeout=180)
+            assert status.pid is not None
+            ranks = _children(status.pid)
+            _episodes(client, JOB["num_repeat"])  # one group: the first update begins
+            deadline = time.monotonic() + 60
+            while (now := client.engine_status()).state != EngineState.OFFLINE:
+                assert time.monotonic() < deadline, "the run outlived its failed rank"
+                time.sleep(0.1)
+            assert now.last_error is not None
+            assert ("rank 1 of 2 failed: RuntimeError: loss exploded on rank 1 (test)"
+                    in now.last_error.reason), now.last_error.reason
+            tail = "\n".join(now.last_error.log_tail)
+            assert "[rank 1]" in tail and "loss exploded on rank 1" in tail
+            deadline = time.monotonic() + 10
+            while any(process_alive(p) for p in [status.pid, *ranks]):
+                assert time.monotonic() < deadline, "a process of the engine tree survived"
+                time.sleep(0.1)
+            assert client.get_run("current").status == "failed"
     finally:
         server.stop()
 

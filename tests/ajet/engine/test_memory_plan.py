@@ -15,6 +15,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.engine.config import engine_config_from_job
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.parallel.lora import apply_lora
+from ajet.engine.parallel.training_model import enable_activation_checkpointing
 from ajet.engine.planning.memory_plan import (
     GiB,
     MiB,
@@ -112,8 +113,7 @@ def test_activation_bytes_per_token_are_what_autograd_saves(mode: str, checkpoin
         model = model.to(torch.bfloat16)
     model.train()
     if checkpointing:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     rows, prompt, response = 2, 40, 24
     measured = _saved_bytes(model, (rows, prompt, response), autocast=mode == "autocast")
     shape = ModelShape.from_config({**SMALL, "model_type": "qwen2"})

@@ -144,3 +144,27 @@ def test_an_update_raises_the_logprob_of_a_good_reply(policy: Policy, tmp_path: 
         lp, _, _ = score_responses(reloaded.model, [list(prompt)], [list(good)],
                                    pad_id=policy.pad_id, temperature=1.0, device=policy.device)
     assert lp[0].tolist() == pytest.approx(score(good), abs=1e-5)
+
+
+def test_a_merged_sample_trains_only_its_masked_tokens(workdir: Path) -> None:
+    """Tokens the loss mask leaves out (a tool result between two replies) get no loss and
+    are not counted by the token-level normalisation."""
+    from ajet.engine.scoring import pack_responses
+
+    cfg = engine_config_from_job(AgentJetJob(lr=0.01), cuda_devices=0, cpu_count=1)
+    prompt = tuple(range(3, 9))
+    # reply, tool result (masked out), reply
+    response, mask = (20, 21, 30, 31, 32, 22), (1, 1, 0, 0, 0, 1)
+    losses = []
+    for tool_logprob in (0.0, -50.0):  # what sits at masked positions must not matter
+        policy = load_policy(ensure_tiny_model(workdir), device="cpu", dtype="float32", seed=0)
+        learner = Learner(policy, cfg)
+        old = (-1.0, -1.0, tool_logprob, tool_logprob, tool_logprob, -1.0)
+        stats = learner.update([TrainSample(prompt, response, old, 1.0, loss_mask=mask)])
+        assert stats.tokens == 3 and stats.samples == 1
+        losses.append(stats.loss)
+        with torch.no_grad():
+            batch = pack_responses([prompt], [response], pad_id=policy.pad_id,
+                                   device=policy.device, masks=[mask])
+        assert batch.mask[0].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert losses[0] == pytest.approx(losses[1])

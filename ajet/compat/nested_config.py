@@ -13,7 +13,8 @@ conversions:
 
 It runs wherever the job model runs, so on the server inside the active snapshot's own
 validator (`python -m ajet.copilot.validate`), as docs/design.md requires for conversions.
-No pydantic here: plain dicts in, plain dicts out.
+No pydantic here, and no import of `ajet`: plain dicts in, plain dicts out. The job model
+(`ajet/copilot/job.py`) is the one core module that imports it (a named boundary).
 """
 
 from __future__ import annotations

@@ -1,20 +1,23 @@
-"""The one boundary between the original AgentJet's shapes and this project's models.
+"""The boundary between the original AgentJet's shapes and this project's models.
 
 Everything that turns an original body, result or reply into this project's typed
-models (or back) lives here, so the client's original surface (`ajet.original_client`)
-and the server's original routes (`swarm_server/routes/original.py`) convert the same
-way and handlers see one model:
+models (or back) lives here, so the original client (`ajet.compat.client`), the
+server's routes and the rollout runner convert the same way and handlers see one model:
 
 - a `WorkflowOutput` becomes the reward, success flag and metrics of an
   `EndEpisodeRequest` (a list reward is refused with the original's message; list
-  metrics are averaged);
+  metrics are averaged), or the fields of the rollout runner's own result
+  (`workflow_output_fields`);
 - the original's `/end_episode` and `/abort_episode` bodies become this project's
   requests (the task id of `workflow_output.metadata` must match `task_id`);
 - a refused claim becomes the original's `fail_cause` text, which the original
   client's back-off reads;
 - a request body on a path both servers have (`/end_episode`, `/abort_episode`) is
-  read as whichever shape it has (`end_request`, `abort_request`), and the original's
-  `yaml_as_string` is the same field as this project's `yaml` (`SyncConfigRequest`).
+  read as whichever shape it has (`end_request`, `abort_request`).
+
+This is the module of the compatibility room that two core modules may import (the
+routes serving both body shapes, `swarm_server/routes/episodes.py`, and the rollout
+runner, `ajet/rollout.py`); it imports only models, never the original client.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from ajet.compat.task import WorkflowOutput
+from ajet.compat.wire import EndEpisodeRequest as OriginalEnd
 from ajet.protocol import AbortEpisodeRequest, EndEpisodeRequest, EngineState
-from ajet.schema.task import WorkflowOutput
-from ajet.tuner_lib.experimental.interchange_utils import EndEpisodeRequest as OriginalEnd
 
 __all__ = [
     "STEP_REWARD_REFUSED",
     "OriginalBodyError",
+    "OriginalEnd",
     "abort_request",
     "abort_request_from_original",
     "claim_fail_cause",
@@ -38,6 +42,7 @@ __all__ = [
     "end_request_from_output",
     "flat_log_metrics",
     "reward_of",
+    "workflow_output_fields",
 ]
 
 #: The original's message for a list (per-step) reward.
@@ -99,6 +104,16 @@ def _finite(value: Any) -> float | None:
     except OverflowError:  # an integer too large for a float
         return None
     return number if math.isfinite(number) else None
+
+
+def workflow_output_fields(result: object) -> dict[str, Any] | None:
+    """The rollout runner's result fields (reward, is_success, log_metrics, metadata) of an
+    original `WorkflowOutput`; None when `result` is not one."""
+    if not isinstance(result, WorkflowOutput):
+        return None
+    return {"reward": reward_of(result), "is_success": result.is_success,
+            "log_metrics": flat_log_metrics(result.log_metrics),
+            "metadata": dict(result.metadata)}
 
 
 def end_request_from_output(episode_uuid: str, task_id: str, output: WorkflowOutput, *,

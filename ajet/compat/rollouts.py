@@ -14,12 +14,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from ajet.schema.task import Task, WorkflowOutput
-from ajet.tuner_lib.as_oai_baseurl_apikey import OpenaiBaseUrlAndApiKey
-from ajet.utils.thread_executors import PeriodicDrainThreadPoolExecutor, retrying
+from ajet.compat.openai_endpoint import OpenaiBaseUrlAndApiKey
+from ajet.compat.task import Task, WorkflowOutput
+from ajet.compat.thread_executors import PeriodicDrainThreadPoolExecutor, retrying
 
 if TYPE_CHECKING:
-    from ajet.client import SwarmClient
+    from ajet.compat.client import SwarmClient
 
 __all__ = ["auto_train_with_dataset", "run_episodes_until_all_complete"]
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ajet.schema.task import Task
+from ajet.compat.task import Task
 
 __all__ = ["BaseTaskReader", "HuggingFaceTaskReader", "JsonlTaskReader",
            "RandomDummyTaskReader"]

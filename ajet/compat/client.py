@@ -1,9 +1,13 @@
-"""The original AgentJet `SwarmClient` methods, with the original's meaning.
+"""The original AgentJet `SwarmClient`: the typed client plus the original's methods.
 
-`SwarmClient` (ajet/client.py) mixes `OriginalClientMixin` in, so one class serves both
-this project's typed calls (`engine_status`, `open_episode`, ...) and the names existing
-AgentJet scripts use (`get_engine_status`, `begin_episode`, ...). Every method here is
-built on the typed calls; the shape conversions go through `ajet.original_wire`.
+    from ajet.tuner_lib.experimental.swarm_client import SwarmClient
+
+`SwarmClient` here subclasses the typed `ajet.client.SwarmClient`, so one object serves
+both this project's calls (`engine_status`, `open_episode`, ...) and the names existing
+AgentJet scripts use (`get_engine_status`, `begin_episode`, ...); the typed client has
+only the former. Every method here is built on the typed calls (the original-only routes
+through the base class's request helper); the shape conversions go through
+`ajet.compat.boundary`.
 
 Behaviour kept from the original (docs/compat.md lists each name and any difference):
 
@@ -19,7 +23,7 @@ Behaviour kept from the original (docs/compat.md lists each name and any differe
 
 Different on purpose: every wait has a deadline (`RetryPolicy`); status is read per
 call instead of by a background poller (a poller thread runs only once a weight-sync
-callback is registered); `print_rollout_stat` logs (logger `ajet.original_client`,
+callback is registered); `print_rollout_stat` logs (logger `ajet.compat.client`,
 INFO) instead of printing.
 """
 
@@ -30,10 +34,24 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ajet.client import SwarmClient as TypedSwarmClient
+from ajet.compat.boundary import OriginalBodyError, end_request_from_output
+from ajet.compat.openai_endpoint import OpenaiBaseUrlAndApiKey
+from ajet.compat.task import Task, WorkflowOutput
+from ajet.compat.wire import (
+    BoolResponse,
+    CanContinueEpisodeResponse,
+    CurrentBatchRolloutPoolInformation,
+    EpisodeBufferResponse,
+    EpisodeStatus,
+    SwarmThrottlePolicy,
+)
+from ajet.copilot.job import AgentJetJob
 from ajet.errors import (
     ApprovalPending,
     EngineStateConflict,
@@ -44,24 +62,9 @@ from ajet.errors import (
     SwarmStateError,
     SwarmTimeout,
 )
-from ajet.original_wire import OriginalBodyError, end_request_from_output
 from ajet.protocol import ApprovalState
-from ajet.schema.task import Task, WorkflowOutput
-from ajet.tuner_lib.as_oai_baseurl_apikey import OpenaiBaseUrlAndApiKey
-from ajet.tuner_lib.experimental.interchange_utils import (
-    BoolResponse,
-    CanContinueEpisodeResponse,
-    EpisodeBufferResponse,
-    EpisodeStatus,
-    SwarmThrottlePolicy,
-)
-from ajet.tuner_lib.experimental.swarm_overwatch_utils import CurrentBatchRolloutPoolInformation
 
-if TYPE_CHECKING:
-    from ajet.client import SwarmClient
-    from ajet.copilot.job import AgentJetJob
-
-__all__ = ["OriginalClientMixin", "RetryPolicy"]
+__all__ = ["RetryPolicy", "SwarmClient"]
 
 log = logging.getLogger(__name__)
 
@@ -112,17 +115,32 @@ class RetryPolicy:
                                  for f in fields(cls) if f.name not in deadlines})
 
 
-class OriginalClientMixin:
-    """The original AgentJet client surface; needs the typed calls of `SwarmClient`."""
+class SwarmClient(TypedSwarmClient):
+    """The typed client plus the original AgentJet client's methods and constructor.
 
-    # set by SwarmClient.__init__ (typed side) and _init_original
-    server_url: str
-    verbose: bool
-    _agentjet_job: AgentJetJob | None
+    The constructor is the original's (`verbose`, `agentjet_job` and
+    `auto_start_swarm_server` positional); `retry` sets the back-offs and deadlines of
+    the original methods' waits. Everything else is the typed client's.
+    """
 
-    def _init_original(self, retry: RetryPolicy | None) -> None:
-        import uuid
-
+    def __init__(
+        self,
+        server_url: str,
+        verbose: bool = True,
+        agentjet_job: AgentJetJob | None = None,
+        auto_start_swarm_server: bool = False,
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        swarm_workdir: str | os.PathLike[str] | None = None,
+        server_start_timeout: float = 30.0,
+        server_env: Mapping[str, str] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        #: the original client's switches: chatty progress logs, and the last job sent
+        self.verbose = verbose
+        self._agentjet_job = agentjet_job
+        # before the base's __init__: a failed auto-start calls close(), which reads these
         self.client_uuid = str(uuid.uuid4())
         self.retry = retry or RetryPolicy.from_env()
         self._records_lock = threading.Lock()
@@ -134,14 +152,19 @@ class OriginalClientMixin:
         self._observe_lock = threading.Lock()
         self._poller: threading.Thread | None = None
         self._poller_stop = threading.Event()
+        super().__init__(server_url, auto_start_swarm_server=auto_start_swarm_server,
+                         token=token, timeout=timeout, swarm_workdir=swarm_workdir,
+                         server_start_timeout=server_start_timeout, server_env=server_env)
 
-    def _close_original(self) -> None:
+    def close(self) -> None:
+        """Stop the status poller (if a callback started it), then as the typed client."""
         self._poller_stop.set()
         if self._poller is not None and self._poller is not threading.current_thread():
             self._poller.join(timeout=5)
+        super().close()
 
-    def _typed(self) -> SwarmClient:
-        return self  # type: ignore[return-value]
+    def __enter__(self) -> SwarmClient:
+        return self
 
     # ------------------------------------------------------------------ engine status
 
@@ -152,7 +175,7 @@ class OriginalClientMixin:
         `("ENGINE.CANNOT_CONNECT", {})` when the server does not answer.
         """
         try:
-            data = self._typed().engine_status().model_dump(mode="json")
+            data = self.engine_status().model_dump(mode="json")
         except SwarmConnectionError as exc:
             log.error("Error getting engine status: %s", exc)
             return CANNOT_CONNECT, {}
@@ -232,7 +255,7 @@ class OriginalClientMixin:
         if status != OFFLINE:
             raise SwarmStateError(f"Cannot start engine when engine is NOT ENGINE.OFFLINE. "
                                   f"(current status: {status})")
-        self._typed().start_run()
+        self.start_run()
         self._info("Successfully started training engine on Swarm server")
         self._wait_for(_SERVING, started=True)
         self._info("Training engine is now ROLLING and ready.")
@@ -243,7 +266,7 @@ class OriginalClientMixin:
         if status == OFFLINE:
             self._info("Engine is already OFFLINE. No action needed.")
             return
-        self._typed().stop_run(reason="stop_engine()")
+        self.stop_run(reason="stop_engine()")
         self._info("Successfully stopped training engine on Swarm server")
         self._wait_for((OFFLINE,))
 
@@ -255,7 +278,7 @@ class OriginalClientMixin:
         if status != OFFLINE:
             raise SwarmStateError("Cannot sync train config when engine is NOT ENGINE.OFFLINE. "
                                   f"(current status: {status})")
-        accepted = self._typed().submit_config(agentjet_job)
+        accepted = self.submit_config(agentjet_job)
         for note in accepted.notes:
             log.warning("job setting %s: %s (%s)", note.field, note.status, note.reason)
         self._info("Synced train config to Swarm server")
@@ -270,7 +293,7 @@ class OriginalClientMixin:
                                   f"(current status: {status})")
         if not os.path.isfile(zip_file_path):
             raise FileNotFoundError(f"Training code zip file does not exist: {zip_file_path}")
-        result = self._typed().push_code_zip(zip_file_path).model_dump(mode="json")
+        result = self.push_code_zip(zip_file_path).model_dump(mode="json")
         self._info(f"Synced train code to Swarm server: {result['temp_ajet_code_path']}")
         return result
 
@@ -289,16 +312,15 @@ class OriginalClientMixin:
         from ajet.packaging import package_tree
 
         package = package_tree(directory_path)  # PackagingError: nothing has changed yet
-        typed = self._typed()
         if not force_restart:
             status, _ = self.get_engine_status()
             if status != OFFLINE:
                 raise SwarmStateError("Cannot sync train code when engine is NOT "
                                       f"ENGINE.OFFLINE. (current status: {status}); pass "
                                       "force_restart=True")
-            result = push_package(typed, package).model_dump(mode="json")
+            result = push_package(self, package).model_dump(mode="json")
         else:
-            stored = push_package(typed, package, activate=False)
+            stored = push_package(self, package, activate=False)
             approval = stored.approval.state if stored.approval else ApprovalState.NOT_ENFORCED
             if approval not in (ApprovalState.APPROVED, ApprovalState.NOT_ENFORCED):
                 raise ApprovalPending(
@@ -310,7 +332,7 @@ class OriginalClientMixin:
             if status != OFFLINE:
                 log.warning("Force restarting the engine...")
                 self.stop_engine()
-            result = typed.activate_snapshot(stored.snapshot_id).model_dump(mode="json")
+            result = self.activate_snapshot(stored.snapshot_id).model_dump(mode="json")
             result.update(files=stored.files, bytes_uploaded=stored.bytes_uploaded)
         self._info(f"Synced train code to Swarm server: {result['temp_ajet_code_path']}")
         return {**result, "local_zip_file_path": None, "local_zip_file_count": result["files"]}
@@ -325,7 +347,7 @@ class OriginalClientMixin:
         `force_restart=True` stops a running engine first.
         """
         if force_restart and self.get_engine_status()[0] != OFFLINE:
-            self._typed().check_config(agentjet_job)  # a refused config must not stop the run
+            self.check_config(agentjet_job)  # a refused config must not stop the run
             log.warning("Force restarting the engine...")
             self.stop_engine()
             time.sleep(self.retry.restart_settle_s)
@@ -414,7 +436,7 @@ class OriginalClientMixin:
                     delay = self.retry.throttle_retry_s
                     continue
                 try:
-                    claimed = self._typed().open_episode(
+                    claimed = self.open_episode(
                         discard_episode_timeout, episode_type=episode_type,
                         client_uuid=self.client_uuid,
                         task_id=throttle_policy.current_task_id if throttle_policy else None)
@@ -434,16 +456,19 @@ class OriginalClientMixin:
             with self._records_lock:
                 now = time.time()
                 self._episode_expiry[claimed.episode_uuid] = now + max_episode_time
-                for uuid, expiry in list(self._episode_expiry.items()):
+                for known, expiry in list(self._episode_expiry.items()):
                     if expiry < now - _CLEAN_RECORD_TIMEOUT_S:
-                        del self._episode_expiry[uuid]
+                        del self._episode_expiry[known]
             # the server's view of its own address may differ from ours (a proxy)
             base_url = re.sub(r"^https?://[^/]+", self.server_url, claimed.openai_base_url)
+            anthropic_url = re.sub(r"^https?://[^/]+", self.server_url,
+                                   claimed.anthropic_base_url or
+                                   claimed.openai_base_url.removesuffix("/v1"))
             self._info(f"Claimed episode {claimed.episode_uuid}, current global step: "
                        f"{data.get('global_step', 'unknown')}")
             return claimed.episode_uuid, OpenaiBaseUrlAndApiKey(
                 base_url=base_url, api_key=claimed.openai_api_key,
-                episode_uuid=claimed.episode_uuid)
+                anthropic_base_url=anthropic_url, episode_uuid=claimed.episode_uuid)
 
     def end_episode(self, task: Task, episode_uuid: str, workflow_output: WorkflowOutput,
                     declare_client_active: bool = True) -> None:
@@ -476,7 +501,7 @@ class OriginalClientMixin:
             self.abort_episode(episode_uuid)
             raise
         try:
-            self._typed().report_episode(
+            self.report_episode(
                 episode_uuid, task_id, request.reward, is_success=request.is_success,
                 metadata=request.metadata, log_metrics=request.log_metrics,
                 client_uuid=self.client_uuid, declare_client_active=declare_client_active)
@@ -497,7 +522,7 @@ class OriginalClientMixin:
         with self._records_lock:
             self._episode_expiry.pop(episode_uuid, None)
         try:
-            self._typed().cancel_episode(episode_uuid, reason="abort_episode()",
+            self.cancel_episode(episode_uuid, reason="abort_episode()",
                                          client_uuid=self.client_uuid,
                                          declare_client_active=declare_client_active)
             self._info(f"Aborted episode {episode_uuid}")
@@ -509,7 +534,7 @@ class OriginalClientMixin:
         if not episode_uuid:
             return False
         try:
-            data = self._typed()._call("POST", "/can_continue_episode",
+            data = self._call("POST", "/can_continue_episode",
                                        json={"client_uuid": self.client_uuid,
                                              "episode_uuid": episode_uuid})
             return CanContinueEpisodeResponse.model_validate(data).can_continue
@@ -520,7 +545,7 @@ class OriginalClientMixin:
     def get_episode_buffer(self) -> list[EpisodeStatus]:
         """The claimed episodes of the engine (all clients); [] on error."""
         try:
-            data = self._typed()._call("POST", "/get_episode_buffer", json={})
+            data = self._call("POST", "/get_episode_buffer", json={})
             return EpisodeBufferResponse.model_validate(data).buffer
         except SwarmError as exc:
             log.error("Error getting episode buffer: %s", exc)
@@ -529,14 +554,14 @@ class OriginalClientMixin:
     def get_rollout_stat(self) -> CurrentBatchRolloutPoolInformation:
         """The current batch's statistics; an empty record on error."""
         try:
-            data = self._typed()._call("GET", "/get_current_batch_rollout_pool_information")
+            data = self._call("GET", "/get_current_batch_rollout_pool_information")
             return CurrentBatchRolloutPoolInformation.model_validate(data)
         except SwarmError as exc:
             log.error("Error getting rollout statistics: %s", exc)
             return CurrentBatchRolloutPoolInformation()
 
     def print_rollout_stat(self) -> dict[str, str]:
-        """Log the current batch's progress (INFO, logger `ajet.original_client`); returns it."""
+        """Log the current batch's progress (INFO, logger `ajet.compat.client`); returns it."""
         stat = self.get_rollout_stat()
         per_task = [len(v) for v in stat.completed_tasks_details.values()]
         summary = {
@@ -560,7 +585,7 @@ class OriginalClientMixin:
     def server_experiment_dir(self) -> str | None:
         """The current run's directory on the server (None before any run)."""
         try:
-            data = self._typed()._call("GET", "/get_server_experiment_dir")
+            data = self._call("GET", "/get_server_experiment_dir")
             return data.get("server_experiment_dir")
         except SwarmError:
             return "saved_experiments"  # the original's fallback
@@ -589,7 +614,7 @@ class OriginalClientMixin:
                 return False
             step = data.get("global_step")
             try:
-                reply = BoolResponse.model_validate(self._typed()._call(
+                reply = BoolResponse.model_validate(self._call(
                     "POST", "/agree_sync_weight", json={"client_uuid": self.client_uuid}))
             except SwarmConnectionError as exc:
                 log.error("agree_sync_weight errored: %s. Retrying ...", exc)
