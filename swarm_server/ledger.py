@@ -83,6 +83,13 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX approvals_snapshot ON approvals (snapshot_id, id);
     """,
+    # 2 -> 3: checkpoints: the run a run resumed from and its last complete checkpoint
+    """
+    ALTER TABLE runs ADD COLUMN resumed_from TEXT;
+    ALTER TABLE runs ADD COLUMN resume_checkpoint TEXT;
+    ALTER TABLE runs ADD COLUMN resume_step INTEGER;
+    ALTER TABLE runs ADD COLUMN last_checkpoint TEXT;
+    """,
 ]
 
 #: Run statuses. `booting`/`running` are open; `ended`/`failed` are final.
@@ -120,6 +127,13 @@ class RunRecord:
     summary: dict[str, Any] = field(default_factory=dict)
     pid: int | None = None
     pid_start_time: float | None = None
+    #: the run this one resumed from (its id; None for a fresh start or a bare path)
+    resumed_from: str | None = None
+    #: the checkpoint directory it resumed from, and that checkpoint's step
+    resume_checkpoint: str | None = None
+    resume_step: int | None = None
+    #: the run's last complete checkpoint directory (written at its end)
+    last_checkpoint: str | None = None
 
 
 @dataclass

@@ -109,6 +109,8 @@ class EngineConfig:
     lora_save_merged: bool
     micro_batch_tokens: int
     mini_batch_num: int
+    #: the PPO ratio's old log-probs from the trainer's own first-epoch forward (learner.py)
+    recompute_old_logprobs: bool
     #: when a step's batch is complete (ajet.engine.plane.episodes.COLLECTION_METHODS)
     sample_collection_method: str
     # --- derived / backend
@@ -206,6 +208,9 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         lora_save_merged=job.lora_save_merged,
         micro_batch_tokens=job.micro_batch_tokens,
         mini_batch_num=job.mini_batch_num,
+        # bf16 training is where the sampler's and the trainer's log-probs part most
+        recompute_old_logprobs=(on_gpu if job.recompute_old_logprobs == "auto"
+                                else bool(job.recompute_old_logprobs)),
         sample_collection_method=job.swarm_mode_sample_collection_method,
         device="cuda" if on_gpu else "cpu",
         # GPUs compute in bf16 over fp32 master weights and optimizer state (bf16 weights
@@ -240,8 +245,11 @@ def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tupl
                                                                                     EngineConfig]:
     """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
     from ajet.copilot.job import AgentJetJob
+    from ajet.copilot.model_defaults import resolve_job
 
-    job = AgentJetJob.load_yaml(path)
+    # a validated job has every field written out; a hand-written one gets the model's
+    # defaults here, as the server's validator would have chosen them
+    job, _ = resolve_job(AgentJetJob.load_yaml(path))
     return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 
 

@@ -94,8 +94,10 @@ def test_stop_of_a_term_ignoring_engine_kills_its_group(srv: Server) -> None:
     run_id, engine, child = start(srv, ignore_term=True)
     wait_status(srv.url, EngineState.ROLLING)
     stop = httpx.post(f"{srv.url}/stop_engine", json={"reason": "fault test"}, timeout=60)
-    assert stop.json() == {"stopped": True, "run_id": run_id, "state": "ENGINE.OFFLINE",
-                           "success": True}
+    body = stop.json()
+    assert {k: body[k] for k in ("stopped", "run_id", "state", "success")} == {
+        "stopped": True, "run_id": run_id, "state": "ENGINE.OFFLINE", "success": True}
+    assert body["last_checkpoint"] is None and body["waited_for"] == []
     assert_consistent(srv.url, srv.workdir, engine_pids=[engine, child])
     run = httpx.get(f"{srv.url}/runs/{run_id}").json()
     assert (run["status"], run["exit_code"]) == ("ended", -9)  # asked to stop: not a failure

@@ -61,8 +61,8 @@ class EngineHandle:
         return int(self.proc.returncode)
 
 
-def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
-                 ) -> EngineHandle:
+def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run",
+                 extra_args: tuple[str, ...] = ()) -> EngineHandle:
     """Spawn the engine like the server does (own session, log file, cwd = run dir).
 
     `job` may be raw YAML text, to test what the engine does with a bad one.
@@ -79,7 +79,7 @@ def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "ajet.engine", "--config", str(run_dir / "job.yaml"),
              "--run-dir", str(run_dir), "--socket", str(socket), "--run-id", run_id,
-             "--workdir", str(root)],
+             "--workdir", str(root), *extra_args],
             cwd=run_dir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)),

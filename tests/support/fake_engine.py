@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     for name in ("--config", "--run-dir", "--socket", "--run-id", "--workdir"):
         p.add_argument(name, required=True)
+    p.add_argument("--resume", default=None)  # a checkpoint the fake does not read
     args = p.parse_args(argv)
     run_dir, workdir, socket_path = Path(args.run_dir), Path(args.workdir), Path(args.socket)
     behaviour = _load_behaviour(workdir)

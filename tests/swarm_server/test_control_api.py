@@ -76,7 +76,8 @@ def test_lifecycle_and_stop_leaves_no_process_of_the_group(srv: Server) -> None:
 
     stop = srv.http.post("/stop_engine", json={"reason": "test done"}, timeout=60)
     assert stop.json() == {"stopped": True, "run_id": status.run_id, "state": "ENGINE.OFFLINE",
-                           "success": True}
+                           "success": True, "waited_for": [], "last_checkpoint": None,
+                           "message": f"stopped run {status.run_id}; no complete checkpoint"}
     assert not process_alive(status.pid) and not process_alive(child)
     run = srv.http.get(f"/runs/{status.run_id}").json()
     assert (run["status"], run["reason"], run["exit_code"]) == ("ended", "test done", 0)
@@ -150,7 +151,7 @@ def test_engine_and_config_check_run_the_synced_snapshot(srv: Server, ajet_repo:
     # A researcher widens lr's bound in the job schema; only the synced validator knows it.
     job_py = ajet_repo / "ajet" / "copilot" / "job.py"
     original = job_py.read_text()
-    patched = original.replace('_d("lr"), gt=0, le=1.0)', '_d("lr"), gt=0, le=10.0)')
+    patched = original.replace('_d("lr"), gt=0, le=1.0,', '_d("lr"), gt=0, le=10.0,')
     assert patched != original, "ajet/copilot/job.py changed shape; update this test"
     job_py.write_text(patched)
     assert srv.http.post("/sync_train_config",
