@@ -91,6 +91,8 @@ class SwarmClient:
     `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
+    `transport` replaces httpx's network transport, for example with one that calls an
+    ASGI app in the same process (tests: `fastapi.testclient.TestClient`'s transport).
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class SwarmClient:
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
         if token is None:
@@ -112,7 +115,8 @@ class SwarmClient:
         self._server_process: subprocess.Popen[bytes] | None = None
         self._server_log: Path | None = None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout,
+                                  transport=transport)
         if auto_start_swarm_server:
             self._ensure_local_server(
                 workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),

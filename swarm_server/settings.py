@@ -131,7 +131,7 @@ class Settings(BaseSettings):
     engine_module: str = Field(
         default="ajet.engine", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="AJET_SWARM_ENGINE_MODULE: run as `python -m <module>` with the engine "
-                    "command line; server tests point it at tests.swarm_server.fake_engine",
+                    "command line; server tests point it at tests.support.fake_engine",
     )
     boot_timeout_s: float = Field(
         default=300.0, gt=0,

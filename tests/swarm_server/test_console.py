@@ -52,10 +52,9 @@ from tests.support import (
     ENFORCING_ENV,
     PROJECT_ROOT,
     WORKER_TOKEN,
-    ServerHandle,
     make_ajet_repo,
-    start_server,
 )
+from tests.support.factory import Server, ServerFactory
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -95,12 +94,11 @@ def browser() -> Iterator[Browser]:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory, browser: Browser) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("console") / "swarm", env=ENFORCING_ENV)
+def srv(server_factory: ServerFactory, browser: Browser) -> Iterator[Server]:
+    handle = server_factory(env=ENFORCING_ENV, process=True)  # the browser needs a socket
     yield handle
-    with SwarmClient(handle.url, token=CONTROL_TOKEN) as c:
+    with handle.client(CONTROL_TOKEN) as c:
         c.stop_run(reason="test teardown")
-    handle.stop()
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +110,7 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _pending(srv: ServerHandle, repo: Path, text: str) -> str:
+def _pending(srv: Server, repo: Path, text: str) -> str:
     path = repo / REWARDS
     path.write_text(path.read_text() + f"\n{text}\n", encoding="utf-8")
     with SwarmClient(srv.url, token=CONTROL_TOKEN) as c, pytest.raises(ApprovalPending) as caught:
@@ -120,7 +118,7 @@ def _pending(srv: ServerHandle, repo: Path, text: str) -> str:
     return caught.value.snapshot_id
 
 
-def _sign_in(browser: Browser, srv: ServerHandle, token: str) -> Page:
+def _sign_in(browser: Browser, srv: Server, token: str) -> Page:
     page = browser.new_context(base_url=srv.url, viewport={"width": 1280, "height": 900}
                                ).new_page()
     page.goto("/ui/approvals")
@@ -132,13 +130,13 @@ def _sign_in(browser: Browser, srv: ServerHandle, token: str) -> Page:
     return page
 
 
-def _state(srv: ServerHandle, snapshot_id: str) -> ApprovalState:
+def _state(srv: Server, snapshot_id: str) -> ApprovalState:
     with SwarmClient(srv.url, token=APPROVER_TOKEN) as a:
         return a.get_review(snapshot_id, limit=1).approval.state
 
 
 def test_approve_in_the_browser_then_watch_the_reward_curve(
-        browser: Browser, srv: ServerHandle, tmp_path: Path, shots: Path) -> None:
+        browser: Browser, srv: Server, tmp_path: Path, shots: Path) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
     snapshot_id = _pending(srv, repo, HIDDEN)
     page = _sign_in(browser, srv, APPROVER_TOKEN)
@@ -220,7 +218,7 @@ def test_approve_in_the_browser_then_watch_the_reward_curve(
 
 
 def test_deny_and_a_control_session_that_only_looks(
-        browser: Browser, srv: ServerHandle, tmp_path: Path, shots: Path) -> None:
+        browser: Browser, srv: Server, tmp_path: Path, shots: Path) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
     snapshot_id = _pending(srv, repo, "DENY_ME = True")
 

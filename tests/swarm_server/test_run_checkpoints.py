@@ -15,7 +15,7 @@ from swarm_server.engine import run_limits
 from swarm_server.errors import Unprocessable
 from swarm_server.run_checkpoints import complete_checkpoints, saves_in_progress
 from swarm_server.settings import Settings
-from tests.swarm_server.test_engine_state import Harness, make_harness, serve, wait_until
+from tests.support.harness import Harness, make_harness, serve, wait_until
 
 S = EngineState
 

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ajet.copilot.job import AgentJetJob
 from safetensors.torch import load_file
 
+from ajet.copilot.job import AgentJetJob
 from ajet.engine.checkpoints import resume_training, save_checkpoint, step_checkpoint_dir
 from ajet.engine.config import EngineConfig, engine_config_from_job
 from ajet.engine.learner import Learner
@@ -29,7 +28,7 @@ from ajet.engine.tiny import ensure_tiny_model
 from ajet.engine.trainer import TrainerParts, finish, train
 from ajet.engine.trajectory import Completion
 from ajet.protocol import EngineState
-from tests.ajet.engine.engine_support import spawn_engine
+from tests.support.engine import spawn_engine
 
 BATCH, REPEAT = 2, 2
 
