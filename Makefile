@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser claude-cli demo test bench bench-peers gpu-check clean
+.PHONY: setup browser claude-cli demo test test-fast bench bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -21,9 +21,20 @@ demo: setup
 
 # Two workers, each test file on one of them (module-scoped servers stay shared): most
 # tests wait on servers and subprocesses, so two workers on two cores finish well before
-# one. `python -m pytest tests/...` still runs a part in one process.
+# one. Files in collection order, where tests/conftest.py puts the files with `slow`
+# tests first (xdist's default would order them by their number of tests), so the long
+# files do not come last. `python -m pytest tests/...` still runs a part in one process.
+TEST_WORKERS := -n 2 --dist loadfile --no-loadscope-reorder
+
 test: setup browser claude-cli
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q $(TEST_WORKERS)
+
+# The edit loop: unit tests and the tests that run the server app or the engine's routes
+# in process, about a minute on two cores. Leaves out the `slow` tests and the modules
+# that start real server, engine, CLI or script processes (marked `process` by
+# tests/conftest.py); `make test` runs everything.
+test-fast: setup
+	$(PY) -m pytest -q $(TEST_WORKERS) -m "not slow and not process"
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
 # browser here). Installed once when missing and the machine allows it (root with

@@ -80,12 +80,19 @@ _LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1"}
 _UPLOAD_TIMEOUT_S = 300.0
 
 
+#: Read timeout of a stop: the server's largest stop grace (max_stop_grace_s, 1800 s), the
+#: SIGKILL wait and the run's finalisation.
+_STOP_TIMEOUT_S = 1900.0
+
+
 class SwarmClient:
     """Drive a swarm server: code, config, engine lifecycle, runs, metrics and episodes.
 
     `token` defaults to `AJET_SWARM_TOKEN`, else `AJET_SWARM_WORKER_TOKEN`. With
     `auto_start_swarm_server=True` and a loopback URL with a port, a local server is
     started when none answers, and stopped again by `close()` (or the `with` block).
+    `transport` replaces httpx's network transport, for example with one that calls an
+    ASGI app in the same process (tests: `fastapi.testclient.TestClient`'s transport).
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class SwarmClient:
         swarm_workdir: str | os.PathLike[str] | None = None,
         server_start_timeout: float = 30.0,
         server_env: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.server_url = server_url.rstrip("/")
         if token is None:
@@ -107,7 +115,8 @@ class SwarmClient:
         self._server_process: subprocess.Popen[bytes] | None = None
         self._server_log: Path | None = None
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
-        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.server_url, headers=headers, timeout=timeout,
+                                  transport=transport)
         if auto_start_swarm_server:
             self._ensure_local_server(
                 workdir=Path(swarm_workdir) if swarm_workdir else Path.cwd(),
@@ -158,8 +167,11 @@ class SwarmClient:
         return self._call("GET", "/get_engine_status", model=EngineStatus)
 
     def submit_config(self, job: AgentJetJob | str) -> ConfigAccepted:
-        """Send a job (model or YAML text). Accepted only while the engine is OFFLINE."""
-        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        """Send a job (model or YAML text). Accepted only while the engine is OFFLINE.
+
+        A job sends only the fields its user set: the server chooses the rest for the
+        model (`ConfigAccepted.notes` says which and why)."""
+        text = job.submit_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text}, model=ConfigAccepted)
 
     def check_config(self, job: AgentJetJob | str) -> ConfigAccepted:
@@ -167,7 +179,7 @@ class SwarmClient:
 
         Allowed in any engine state: check before stopping a run for a new config.
         """
-        text = job.to_yaml() if isinstance(job, AgentJetJob) else job
+        text = job.submit_yaml() if isinstance(job, AgentJetJob) else job
         return self._call("POST", "/sync_train_config", json={"yaml": text, "check_only": True},
                           model=ConfigAccepted)
 
@@ -188,9 +200,13 @@ class SwarmClient:
         return status
 
     def stop_run(self, *, reason: str = "stopped by request") -> StopEngineResponse:
-        """Stop the engine (idempotent); says whether anything was running."""
+        """Stop the engine (idempotent); says whether anything was running, which
+        checkpoint the stop waited for and the run's last complete one.
+
+        Waits as long as the server may (a run's stop grace covers its final checkpoint:
+        minutes for a 7B model, at most the server's max_stop_grace_s)."""
         return self._call("POST", "/stop_engine", json={"reason": reason},
-                          model=StopEngineResponse, timeout=max(self._timeout, 60.0))
+                          model=StopEngineResponse, timeout=max(self._timeout, _STOP_TIMEOUT_S))
 
     def configure_and_start(
         self, job: AgentJetJob, force_restart: bool = False, *, wait_timeout: float = 300.0

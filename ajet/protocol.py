@@ -258,6 +258,13 @@ class StopEngineResponse(BaseModel):
     stopped: bool = Field(description="True if an engine process was running and is now gone")
     run_id: str | None = None
     state: EngineState
+    waited_for: list[str] = Field(
+        default_factory=list,
+        description="Checkpoints that were being written when the stop came; the stop "
+                    "waited for them (up to the run's stop grace)")
+    last_checkpoint: str | None = Field(
+        default=None, description="The run's last complete checkpoint directory, if any")
+    message: str | None = Field(default=None, description="What the stop did, in words")
     success: bool = Field(default=True, description="Always true: stop is idempotent (original key)")
 
 
@@ -506,6 +513,16 @@ class RunPublic(BaseModel):
         description="Per metric: first, last, best, best_step",
     )
     provenance: Provenance | None = None
+    resumed_from: str | None = Field(
+        default=None, description="The run this one resumed from (job field resume_from)")
+    resume_checkpoint: str | None = Field(
+        default=None, description="The checkpoint directory it resumed from")
+    resume_step: int | None = Field(
+        default=None, description="The step of that checkpoint; this run's steps continue "
+                                  "from it")
+    last_checkpoint: str | None = Field(
+        default=None, description="The run's last complete checkpoint directory (a later "
+                                  "job's resume_from may name the run)")
     trackers: dict[str, str] = Field(
         default_factory=dict, description="Where each of the job's trackers writes (for "
                                           "TensorBoard, the command to read it)")

@@ -1,5 +1,8 @@
 """`compare_runs`: what differed between runs (code, config) and how one metric came out.
 
+A run that resumed another (`resume_from`) shows where it came from: `resumed_from`,
+`resume_step`, and `chain`, the run ids from the first run of the line to this one.
+
 Used by `SwarmClient.compare_runs(ids, metric)` and the MCP bridge's `compare_runs` tool.
 Everything comes from the server's runs API (`GET /runs/{id}`, `GET /runs/{id}/metrics`);
 nothing is computed on the cluster. Laptop side: no heavy imports.
@@ -54,6 +57,12 @@ class ComparedRun(BaseModel):
     dirty: bool | None = None
     config: dict[str, Any] = Field(description="This run's values of the differing fields")
     metric: MetricOutcome
+    resumed_from: str | None = Field(default=None, description="The run this one continued")
+    resume_step: int | None = Field(default=None, description="The step it continued from")
+    chain: list[str] = Field(default_factory=list,
+                             description="Run ids from the first run of its line to this one "
+                                         "(one id when it resumed nothing)")
+    last_checkpoint: str | None = None
 
 
 class RunComparison(BaseModel):
@@ -90,6 +99,8 @@ def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "rewa
             git_head=prov.git_head if prov else None, dirty=prov.dirty if prov else None,
             config={key: values[run.run_id] for key, values in differences.items()},
             metric=_outcome(points, metric, higher_is_better),
+            resumed_from=run.resumed_from, resume_step=run.resume_step,
+            chain=_chain(client, run), last_checkpoint=run.last_checkpoint,
         ))
     scored = [c for c in compared if c.metric.best is not None]
     best = (max if higher_is_better else min)(scored, key=lambda c: c.metric.best or 0.0,
@@ -99,6 +110,25 @@ def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "rewa
         same_code=len({run.snapshot_id for run in runs}) == 1,
         config_differences=differences, best_run=best.run_id if best else None,
     ).model_dump(mode="json")
+
+
+#: Most runs `_chain` follows back (a longer line is cut at its oldest end).
+_MAX_CHAIN = 50
+
+
+def _chain(client: SwarmClient, run: Any) -> list[str]:
+    """Run ids from the oldest ancestor (through `resumed_from`) to `run`."""
+    from ajet.errors import SwarmNotFound
+
+    chain, current = [run.run_id], run
+    while current.resumed_from and len(chain) < _MAX_CHAIN and \
+            current.resumed_from not in chain:
+        chain.append(current.resumed_from)
+        try:
+            current = client.get_run(current.resumed_from)
+        except SwarmNotFound:  # the ancestor's record is gone; its id is what is known
+            break
+    return chain[::-1]
 
 
 def _load(text: str | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from bench import (
     bench_budgets,
     bench_episodes,
     bench_generation,
+    bench_lora_memory,
     bench_mcp,
     bench_memory_plan,
     bench_restart,
@@ -58,6 +59,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "train_memory": bench_train_memory.run,
     "timelines": bench_timelines.run,
     "memory_plan": bench_memory_plan.run,
+    "lora_memory": bench_lora_memory.run,
     "soak": bench_soak.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]

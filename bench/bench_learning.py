@@ -128,7 +128,7 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"swarm server did not start; see {root / 'server.log'}")
                 time.sleep(0.05)
-            client.submit_config(job)
+            accepted = client.submit_config(job).config  # with the defaults chosen by model
             t0 = time.monotonic()
             client.start_run()
             runner = RolloutRunner(client, workflow, tasks, n_workers=n_workers,
@@ -174,7 +174,9 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
         lines_missing_fields=sum(1 for p in points if not set(REQUIRED_FIELDS) <= set(p)),
         rewards=[round(r, 3) for r in rewards],
         config={"model": job.model, "batch_size": batch_size, "num_repeat": num_repeat,
-                "n_workers": n_workers, "lr": job.lr, "cpus": os.cpu_count()})
+                "n_workers": n_workers, "lr": accepted["lr"],
+                "lora_target_modules": accepted.get("lora_target_modules"),
+                "cpus": os.cpu_count()})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -217,6 +217,11 @@ class StopResult(ToolResult):
     run_id: str | None = None
     engine_state: str
     rollouts_stopped: list[str] = Field(default_factory=list)
+    waited_for: list[str] = Field(default_factory=list,
+                                  description="Checkpoints being written that the stop waited for")
+    last_checkpoint: str | None = Field(
+        default=None, description="The run's last complete checkpoint: configure "
+                                  "resume_from=<run_id> (or 'latest') to continue from it")
 
 
 class RolloutInfo(BaseModel):
@@ -304,6 +309,12 @@ class RunRow(BaseModel):
     reason: str | None = None
     reward_last: float | None = None
     reward_best: float | None = None
+    resumed_from: str | None = Field(default=None,
+                                     description="The run this one continued (resume_from)")
+    resume_step: int | None = Field(default=None, description="The step it continued from")
+    last_checkpoint: str | None = Field(
+        default=None, description="Its last complete checkpoint; resume_from: <run_id> "
+                                  "continues from there")
 
 
 class RunsResult(ToolResult):

@@ -184,13 +184,16 @@ def configure(bridge: Bridge, changes: dict[str, Any], *, reset: bool = False) -
         )
     base, source = current_config(bridge)
     merged = {**({} if reset else base or {}), **changes}
+    if isinstance(merged.get("defaults_chosen"), list):  # what is changed here is set
+        merged["defaults_chosen"] = [f for f in merged["defaults_chosen"] if f not in changes]
     text = yaml.safe_dump(merged, sort_keys=False)
     with swarm_errors(f"fix the named field(s) and call {ToolName.CONFIGURE} again"):
         accepted = bridge.client.submit_config(text)
     before = base if base is not None else default_job_values()
     changed = [ConfigChange(field=k, before=before.get(k), after=accepted.config.get(k))
                for k in sorted(set(before) | set(accepted.config))
-               if before.get(k) != accepted.config.get(k)]
+               # defaults_chosen is the server's bookkeeping of the fields it chose
+               if k != "defaults_chosen" and before.get(k) != accepted.config.get(k)]
     what = ", ".join(f"{c.field}={c.after!r}" for c in changed[:8]) or "nothing"
     return ConfigureResult(
         message=(f"Config accepted for experiment {accepted.experiment_name!r}; changed {what}. "
@@ -269,14 +272,19 @@ def stop_engine(bridge: Bridge, *, reason: str = "stopped by the research agent"
     with swarm_errors(f"call {ToolName.ENGINE_STATUS}"):
         result = bridge.client.stop_run(reason=reason[:500])
     if result.stopped:
-        message = (f"Run {result.run_id} stopped; engine is {result.state}. Next: "
-                   f"{ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
+        waited = (f" It waited for the checkpoint(s) being written: "
+                  f"{', '.join(result.waited_for)}." if result.waited_for else "")
+        last = (f" Last complete checkpoint: {result.last_checkpoint} (resume_from="
+                f"{result.run_id!r} continues from it)." if result.last_checkpoint else "")
+        message = (f"Run {result.run_id} stopped; engine is {result.state}.{waited}{last} "
+                   f"Next: {ToolName.SYNC_TRAIN_CODE} or {ToolName.CONFIGURE}, then "
                    f"{ToolName.START_ENGINE}.")
     else:
         message = (f"No engine was running (state {result.state}). Next: "
                    f"{ToolName.START_ENGINE} when ready.")
     return StopResult(message=message, stopped=result.stopped, run_id=result.run_id,
-                      engine_state=result.state.value, rollouts_stopped=stopped)
+                      engine_state=result.state.value, rollouts_stopped=stopped,
+                      waited_for=result.waited_for, last_checkpoint=result.last_checkpoint)
 
 
 # ---------------------------------------------------------------------------- metrics, logs
@@ -406,6 +414,8 @@ def _run_row(run: RunPublic) -> RunRow:
         ended=_iso(run.ended_at), last_step=run.last_step,
         reason=(run.reason or None) and str(run.reason)[:200],
         reward_last=_round(_num(reward.get("last"))), reward_best=_round(_num(reward.get("best"))),
+        resumed_from=run.resumed_from, resume_step=run.resume_step,
+        last_checkpoint=run.last_checkpoint,
     )
 
 

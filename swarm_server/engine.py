@@ -15,7 +15,13 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
   Any exit ends in OFFLINE with the run finalised; an exit nobody asked for also sets
   `last_error` with the log tail, and the engine's own `failure.json` (which rank
   failed, with which exception) in its reason and its traceback ahead of the tail.
-- Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`).
+- Stop = SIGTERM to the process group, grace, SIGKILL (`supervisor.stop_group`). The
+  grace and the boot deadline are the run's: the job's `stop_grace_s` and
+  `boot_timeout_s` (chosen by model size when unset) capped by the server's maxima, or
+  the server's own values. A stop that finds a checkpoint being written says it waited
+  for it; every run's end records its last complete checkpoint (`run_checkpoints`).
+- A job with `resume_from` starts from the checkpoint it names (`--resume`); the run
+  records the run and checkpoint it resumed from.
 - A single-process start takes the warm standby when one is ready: an interpreter with
   torch and transformers imported that becomes the engine (`standby_keeper`); the
   next one is started once a config is accepted, and once an engine serves or ends.
@@ -61,6 +67,12 @@ from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
+from swarm_server.run_checkpoints import (
+    ResumePoint,
+    last_checkpoint,
+    resolve_resume,
+    saves_in_progress,
+)
 from swarm_server.run_files import (
     read_log_lines,
     read_metrics,
@@ -115,7 +127,8 @@ _FAILURE_FILE_BYTES = 256 * 1024
 
 
 def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_path: Path,
-                   job: dict[str, object] | None = None) -> list[str]:
+                   job: dict[str, object] | None = None, resume: Path | None = None
+                   ) -> list[str]:
     """The engine's command line (docs/internals.md, "The engine process").
 
     A job with more than one process (`n_gpu` > 1, or `n_proc` > 1 on CPU, or `nnodes`
@@ -125,6 +138,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
         "--config", str(run_dir / "job.yaml"), "--run-dir", str(run_dir),
         "--socket", str(socket_path), "--run-id", run_id, "--workdir", str(settings.workdir),
     ]
+    if resume is not None:
+        engine_args += ["--resume", str(resume)]
     fields: dict[str, object] = job or {}
 
     def number(key: str, default: int) -> int:  # the job was validated: ints or absent
@@ -151,6 +166,19 @@ def _job_dict(yaml_text: str) -> dict[str, object]:
     return data if isinstance(data, dict) else {}
 
 
+def run_limits(settings: Settings, job: dict[str, object]) -> tuple[float, float]:
+    """(boot deadline, stop grace) in seconds of a run of `job`: the job's own, capped by
+    the server's maxima, or the server's defaults where the job has none."""
+    def pick(key: str, default: float, cap: float) -> float:
+        value = job.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return min(float(value), cap)
+        return default
+
+    return (pick("boot_timeout_s", settings.boot_timeout_s, settings.max_boot_timeout_s),
+            pick("stop_grace_s", settings.stop_grace_s, settings.max_stop_grace_s))
+
+
 @dataclass
 class _Run:
     """The run the controller is driving now (at most one)."""
@@ -161,6 +189,8 @@ class _Run:
     boot_deadline: float  # time.monotonic() by which the engine must serve
     #: the active snapshot's id when the run started (None: the server's own code)
     snapshot_id: str | None = None
+    boot_timeout_s: float = 300.0
+    stop_grace_s: float = 10.0
     socket_path: Path | None = None
     socket_tmpdir: Path | None = None
     handle: ProcessHandle | None = None
@@ -319,6 +349,7 @@ class EngineController:
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
                                             engine_user=self.engine_user)
+                self._resume_point(_job_dict(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -430,7 +461,8 @@ class EngineController:
             if handle is not None:
                 log.warning("stopping engine pid %s of run %s left by a previous server",
                             rec.pid, rec.id)
-                stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+                grace_s = run_limits(self.settings, _job_dict(rec.config_yaml))[1]
+                stop_group(self.spawner, handle, grace_s=grace_s)
                 status, reason = "ended", (f"server restarted: the engine (pid {rec.pid}) the "
                                            "previous server left running was stopped")
             else:
@@ -482,10 +514,13 @@ class EngineController:
         self.approvals.require_runnable(snapshot.id if snapshot else SERVER_CODE,
                                         doing="start the engine")
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
+        job = _job_dict(yaml_text)
+        resume = self._resume_point(job)
+        boot_s, grace_s = run_limits(self.settings, job)
         run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
         run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
-                   boot_deadline=time.monotonic() + self.settings.boot_timeout_s,
-                   snapshot_id=snapshot.id if snapshot else None)
+                   boot_deadline=time.monotonic() + boot_s, boot_timeout_s=boot_s,
+                   stop_grace_s=grace_s, snapshot_id=snapshot.id if snapshot else None)
         with self._lock:
             # OFFLINE -> BOOTING: the compare-and-set that makes concurrent starts safe
             self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
@@ -497,7 +532,13 @@ class EngineController:
             id=run_id, snapshot_id=self.snapshots.active_id(), config_yaml=yaml_text,
             config_hash=config_hash(yaml_text), experiment_name=self._experiment_name(yaml_text),
             started_by=role, started_at=time.time(), run_dir=str(run.run_dir), status="booting",
+            resumed_from=resume.checkpoint.run_id if resume else None,
+            resume_checkpoint=str(resume.checkpoint.path) if resume else None,
+            resume_step=resume.checkpoint.step if resume else None,
         ))
+        if resume is not None:
+            log.info("run %s resumes from %s (step %d, run %s)", run_id,
+                     resume.checkpoint.path, resume.checkpoint.step, resume.checkpoint.run_id)
         try:
             run.run_dir.mkdir(parents=True, exist_ok=True)
             (run.run_dir / "job.yaml").write_text(yaml_text, encoding="utf-8")
@@ -518,7 +559,8 @@ class EngineController:
                     self.engine_user.share(run.socket_tmpdir, 0o770)
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
-                                    socket_path=run.socket_path, job=_job_dict(yaml_text)),
+                                    socket_path=run.socket_path, job=job,
+                                    resume=resume.checkpoint.path if resume else None),
                 cwd=run.run_dir, env=engine_env(self.settings, base, user=self.engine_user),
                 log_path=log_path,
             )
@@ -551,12 +593,33 @@ class EngineController:
                 run.stop_reason = reason
             handle = run.handle
         stopped = False
+        saving = saves_in_progress(run.run_dir)
+        if saving:
+            log.info("run %s is writing checkpoint(s) %s: the stop waits for them (up to "
+                     "%g s)", run.run_id, ", ".join(saving), run.stop_grace_s)
         if handle is not None:
-            stopped = stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+            stopped = stop_group(self.spawner, handle, grace_s=run.stop_grace_s)
         if not run.done.wait(_FINISH_WAIT_S):
             log.error("run %s not finalised %ss after its process group was stopped",
                       run.run_id, _FINISH_WAIT_S)
-        return StopEngineResponse(stopped=stopped, run_id=run.run_id, state=self.state)
+        last = last_checkpoint(run.run_dir)
+        message = (f"stopped run {run.run_id}" if stopped else f"run {run.run_id} was not running")
+        if saving:
+            message += f"; waited for the checkpoint(s) being written: {', '.join(saving)}"
+        message += (f"; last complete checkpoint: {last.path} (step {last.step})" if last
+                    else "; no complete checkpoint")
+        return StopEngineResponse(stopped=stopped, run_id=run.run_id, state=self.state,
+                                  waited_for=saving, message=message,
+                                  last_checkpoint=str(last.path) if last else None)
+
+    def _resume_point(self, job: dict[str, object]) -> ResumePoint | None:
+        """The checkpoint the job's `resume_from` names (422 when there is none)."""
+        value = job.get("resume_from")
+        if not isinstance(value, str) or not value:
+            return None
+        return resolve_resume(value, ledger=self.ledger,
+                              experiment_name=str(job.get("experiment_name") or ""),
+                              runs_dir=self.settings.runs_dir)
 
     def _watch_exit(self, run: _Run, handle: ProcessHandle) -> None:
         """Thread: block until the engine exits, clear its group, finalise the run."""
@@ -581,7 +644,8 @@ class EngineController:
                 if booting and time.monotonic() > run.boot_deadline:
                     self._fail(run, handle,
                                f"boot timeout: the engine did not serve within "
-                               f"{self.settings.boot_timeout_s:g}s (settings.boot_timeout_s)")
+                               f"{run.boot_timeout_s:g}s (the job's boot_timeout_s, capped "
+                               "by settings.max_boot_timeout_s, else settings.boot_timeout_s)")
                 run.done.wait(self.settings.status_poll_s)
         except Exception as exc:  # noqa: BLE001 - a dead watcher would leave BOOTING forever
             log.exception("run %s: status watcher failed", run.run_id)
@@ -643,7 +707,7 @@ class EngineController:
                 return
             run.failure = reason
         log.error("run %s: %s; stopping the engine", run.run_id, reason)
-        stop_group(self.spawner, handle, grace_s=self.settings.stop_grace_s)
+        stop_group(self.spawner, handle, grace_s=run.stop_grace_s)
 
     def _finish(self, run: _Run, *, exit_code: int | None, spawn_error: str | None = None
                 ) -> None:
@@ -686,11 +750,13 @@ class EngineController:
                     self.change_state(_ACTIVE_STATES, EngineState.OFFLINE, run=run)
                 self._run = None
             last_step = points[-1]["step"] if points else (run.report.step if run.report else None)
+            last = last_checkpoint(run.run_dir)
             try:
                 self.ledger.update_run(
                     run.run_id, status="failed" if failed else "ended", ended_at=time.time(),
                     final_state=final_state.value, exit_code=exit_code, reason=reason,
                     last_step=last_step, summary=summarize(points),
+                    last_checkpoint=str(last.path) if last else None,
                 )
             except Exception:  # noqa: BLE001 - the engine is gone either way; never block stop
                 log.exception("run %s: could not record its end in the ledger", run.run_id)

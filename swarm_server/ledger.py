@@ -14,6 +14,7 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,13 @@ _MIGRATIONS: list[str] = [
     );
     CREATE INDEX approvals_snapshot ON approvals (snapshot_id, id);
     """,
+    # 2 -> 3: checkpoints: the run a run resumed from and its last complete checkpoint
+    """
+    ALTER TABLE runs ADD COLUMN resumed_from TEXT;
+    ALTER TABLE runs ADD COLUMN resume_checkpoint TEXT;
+    ALTER TABLE runs ADD COLUMN resume_step INTEGER;
+    ALTER TABLE runs ADD COLUMN last_checkpoint TEXT;
+    """,
 ]
 
 #: Run statuses. `booting`/`running` are open; `ended`/`failed` are final.
@@ -120,6 +128,13 @@ class RunRecord:
     summary: dict[str, Any] = field(default_factory=dict)
     pid: int | None = None
     pid_start_time: float | None = None
+    #: the run this one resumed from (its id; None for a fresh start or a bare path)
+    resumed_from: str | None = None
+    #: the checkpoint directory it resumed from, and that checkpoint's step
+    resume_checkpoint: str | None = None
+    resume_step: int | None = None
+    #: the run's last complete checkpoint directory (written at its end)
+    last_checkpoint: str | None = None
 
 
 @dataclass
@@ -401,6 +416,29 @@ class Ledger:
                 "INSERT INTO audit (at, action, role, outcome, detail_json) VALUES (?, ?, ?, ?, ?)",
                 (time.time(), action, role, outcome, json.dumps(detail or {}, default=str)),
             )
+
+    def uploaders(self, snapshot_ids: Sequence[str]) -> dict[str, tuple[str, float]]:
+        """Who first stored each snapshot, from the audit log: id -> (role, when).
+
+        A sync's audit entry names the snapshot it stored (`snapshot_id` with `path`,
+        which is set once the snapshot exists, whatever became of the activation).
+        Snapshots with no such entry are left out.
+        """
+        ids = list(dict.fromkeys(snapshot_ids))[:500]
+        if not ids:
+            return {}
+        marks = ", ".join("?" for _ in ids)
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT json_extract(detail_json, '$.snapshot_id') AS sid, role, at FROM audit "
+                "WHERE action = 'sync_code' "
+                "AND json_extract(detail_json, '$.path') IS NOT NULL "
+                f"AND json_extract(detail_json, '$.snapshot_id') IN ({marks}) ORDER BY id",
+                tuple(ids)).fetchall()
+        out: dict[str, tuple[str, float]] = {}
+        for row in rows:
+            out.setdefault(str(row["sid"]), (str(row["role"]), float(row["at"])))
+        return out
 
     def list_audit(self, *, offset: int = 0, limit: int = 100) -> tuple[list[AuditRecord], int]:
         """Oldest first, so the log reads in order."""

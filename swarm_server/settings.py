@@ -131,14 +131,26 @@ class Settings(BaseSettings):
     engine_module: str = Field(
         default="ajet.engine", pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$",
         description="AJET_SWARM_ENGINE_MODULE: run as `python -m <module>` with the engine "
-                    "command line; server tests point it at tests.swarm_server.fake_engine",
+                    "command line; server tests point it at tests.support.fake_engine",
     )
-    boot_timeout_s: float = Field(default=300.0, gt=0)
+    boot_timeout_s: float = Field(
+        default=300.0, gt=0,
+        description="AJET_SWARM_BOOT_TIMEOUT_S: boot deadline of a run whose job has no "
+                    "boot_timeout_s (ajet-tiny; larger models get one by size)")
+    stop_grace_s: float = Field(
+        default=10.0, ge=0,
+        description="AJET_SWARM_STOP_GRACE_S: SIGTERM-to-SIGKILL grace of a run whose job "
+                    "has no stop_grace_s (ajet-tiny; larger models get one by checkpoint size)")
+    max_boot_timeout_s: float = Field(
+        default=3600.0, gt=0,
+        description="AJET_SWARM_MAX_BOOT_TIMEOUT_S: the most a job's boot_timeout_s may ask")
+    max_stop_grace_s: float = Field(
+        default=1800.0, ge=0,
+        description="AJET_SWARM_MAX_STOP_GRACE_S: the most a job's stop_grace_s may ask")
     #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
     max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
     #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db
     mlflow_tracking_uri: str | None = Field(default=None, max_length=2000)
-    stop_grace_s: float = Field(default=10.0, ge=0)
     status_poll_s: float = Field(default=0.1, gt=0)
     config_validate_timeout_s: float = Field(default=60.0, gt=0)
     warm_standby: bool = Field(

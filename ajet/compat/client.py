@@ -266,8 +266,12 @@ class SwarmClient(TypedSwarmClient):
         if status == OFFLINE:
             self._info("Engine is already OFFLINE. No action needed.")
             return
-        self.stop_run(reason="stop_engine()")
-        self._info("Successfully stopped training engine on Swarm server")
+        stopped = self.stop_run(reason="stop_engine()")
+        if stopped.waited_for:  # a checkpoint was being written: the stop waited for it
+            self._info(stopped.message or "waited for the checkpoint being written")
+        self._info("Successfully stopped training engine on Swarm server"
+                   + (f"; last complete checkpoint: {stopped.last_checkpoint}"
+                      if stopped.last_checkpoint else ""))
         self._wait_for((OFFLINE,))
 
     def sync_train_config(self, agentjet_job: AgentJetJob) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from pydantic import (
 # A boundary import: the job reads and writes the original's nested YAML too
 from ajet.compat import nested_config
 
-__all__ = ["LORA_LR_SCALE", "NO_EFFECT", "AgentJetJob", "JobValidationError",
+__all__ = ["BY_MODEL", "NO_EFFECT", "AgentJetJob", "JobValidationError",
            "default_job_values"]
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,10 @@ NO_EFFECT: dict[str, str] = {
     "train_print_to_markdown_file_path": "no markdown report; read GET /runs/{id}/metrics",
 }
 
+#: Said of every field whose default follows the model (ajet/copilot/model_defaults.py).
+BY_MODEL = ("Unset: chosen on the server from the model's size and the training mode "
+            "(docs/api.md, 'Defaults by model'); the value here is ajet-tiny's")
+
 #: Nested keys listed one by one in the notes; the rest are counted.
 _MAX_LISTED_KEYS = 40
 
@@ -90,12 +94,6 @@ def _default(name: str) -> Any:
 
 def _d(name: str) -> Callable[[], Any]:
     return lambda: copy.deepcopy(_default(name))
-
-
-#: With LoRA and no `lr` given, lr = this x the full fine-tuning default (LoRA's best
-#: learning rate is about 10x full fine-tuning's across model sizes; "LoRA Without
-#: Regret", Schulman et al. 2025).
-LORA_LR_SCALE = 10.0
 
 
 class JobValidationError(ValueError):
@@ -150,7 +148,8 @@ class AgentJetJob(BaseModel):
                             description="Task groups per training step")
     num_repeat: int = Field(default_factory=_d("num_repeat"), ge=1, le=1024,
                             description="Episodes per task group (GRPO group size)")
-    lr: float = Field(default_factory=_d("lr"), gt=0, le=1.0)
+    lr: float = Field(default_factory=_d("lr"), gt=0, le=1.0,
+                      description=f"AdamW learning rate. {BY_MODEL}")
     ppo_epochs: int = Field(default_factory=_d("ppo_epochs"), ge=1, le=100)
     clip_ratio: float = Field(default_factory=_d("clip_ratio"), gt=0, le=10)
     kl_coef: float = Field(default_factory=_d("kl_coef"), ge=0, le=100,
@@ -163,13 +162,14 @@ class AgentJetJob(BaseModel):
     max_new_tokens: int = Field(
         default_factory=_d("max_new_tokens"), ge=1, le=1_000_000,
         validation_alias=AliasChoices("max_new_tokens", "max_response_length_in_one_turn"),
-        description="Tokens sampled per completion (the original's "
-                    "max_response_length_in_one_turn: one setting, two names)")
+        description="Tokens sampled per completion when the request sets no limit (the "
+                    "original's max_response_length_in_one_turn: one setting, two names). "
+                    f"{BY_MODEL}")
     temperature: float = Field(default_factory=_d("temperature"), gt=0, le=10)
     top_p: float = Field(default_factory=_d("top_p"), gt=0, le=1)
     seed: int = Field(default_factory=_d("seed"), ge=0)
     save_every: int = Field(default_factory=_d("save_every"), ge=0,
-                            description="Checkpoint every N steps; 0 = only at stop")
+                            description=f"Checkpoint every N steps; 0 = only at stop. {BY_MODEL}")
     max_steps: int = Field(
         default_factory=_d("max_steps"), ge=0,
         validation_alias=AliasChoices("max_steps", "total_training_steps"),
@@ -177,6 +177,35 @@ class AgentJetJob(BaseModel):
     episode_timeout_s: float = Field(default_factory=_d("episode_timeout_s"),
                                      gt=0, le=86_400,
                                      description="A claimed episode idle this long is re-queued")
+    boot_timeout_s: float | None = Field(
+        default_factory=_d("boot_timeout_s"), gt=0, le=86_400,
+        description="Seconds the engine may take to boot before the server fails the run; "
+                    "capped by the server's max_boot_timeout_s; None = the server's "
+                    f"boot_timeout_s. {BY_MODEL}")
+    stop_grace_s: float | None = Field(
+        default_factory=_d("stop_grace_s"), ge=0, le=86_400,
+        description="Seconds a stop waits (after SIGTERM) for the final checkpoint before "
+                    "SIGKILL; capped by the server's max_stop_grace_s; None = the server's "
+                    f"stop_grace_s. {BY_MODEL}")
+    resume_from: str | None = Field(
+        default_factory=_d("resume_from"), min_length=1, max_length=1000,
+        description="Continue an earlier run: its run id, 'latest' (the latest run of this "
+                    "experiment_name with a complete checkpoint), or a checkpoint directory of "
+                    "one of the server's runs. "
+                    "Restores weights, optimizer state, the step counter and the sampling "
+                    "random state; the run records what it resumed from")
+    recompute_old_logprobs: bool | Literal["auto"] = Field(
+        default_factory=_d("recompute_old_logprobs"),
+        description="Take the PPO ratio's old log-probs from the trainer's own forward "
+                    "(first epoch: the ratio is exactly 1) instead of the sampler's; 'auto' = "
+                    "on when training computes in bf16 (GPUs). Recorded samples keep the "
+                    "sampled log-probs either way")
+    defaults_chosen: list[str] = Field(
+        default_factory=_d("defaults_chosen"), max_length=50,
+        description="Fields the server chose for the model (written by its validator): "
+                    "chosen again whenever the job is checked, so a job whose model or "
+                    "training mode changed gets that model's values; setting a field takes "
+                    "it off this list")
     # --- generation: KV cache sizing
     gpu_memory_utilization: float = Field(
         default_factory=_d("gpu_memory_utilization"), gt=0, le=1,
@@ -189,15 +218,16 @@ class AgentJetJob(BaseModel):
     lora_rank: int = Field(
         default_factory=_d("lora_rank"), ge=0, le=4096,
         description="LoRA rank; 0 = full fine-tuning. With LoRA only the adapters train "
-                    f"(peft), and `lr` defaults to {LORA_LR_SCALE:g}x its full fine-tuning "
-                    "default when not given")
+                    "(peft), and an unset `lr` gets an adapter rate (docs/api.md, 'Defaults "
+                    "by model')")
     lora_alpha: int = Field(default_factory=_d("lora_alpha"), gt=0, le=1_000_000,
                               description="LoRA scaling: adapters add (alpha / rank) * B A")
     lora_target_modules: str | list[str] = Field(
         default_factory=_d("lora_target_modules"),
         description="Modules that get adapters: 'all-linear' (every linear layer but the "
                     "output head), a list of module names such as [q_proj, v_proj], or a "
-                    "regex, as peft's LoraConfig.target_modules")
+                    "regex, as peft's LoraConfig.target_modules. Unset on ajet-tiny: the "
+                    "projections and lm_head")
     lora_save_merged: bool = Field(
         default_factory=_d("lora_save_merged"),
         description="Checkpoints also hold the base model with the adapters merged in "
@@ -210,7 +240,7 @@ class AgentJetJob(BaseModel):
         default_factory=_d("micro_batch_tokens"), ge=1, le=100_000_000,
         description="Most (padded) prompt + response tokens per forward/backward pass; "
                     "gradients accumulate over micro-batches, so this bounds the update's "
-                    "peak memory whatever the response lengths")
+                    "peak memory whatever the response lengths. " + BY_MODEL)
     mini_batch_num: int = Field(
         default_factory=_d("mini_batch_num"), ge=1, le=10_000,
         description="Optimizer steps per batch and epoch: the batch's task groups are "
@@ -227,14 +257,6 @@ class AgentJetJob(BaseModel):
         description="A job the memory planner estimates will not fit is refused (422, with "
                     "the estimate and the changes that fit), or only warned about ('warn': "
                     "accepted, the warning in the config response and the engine log)")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _lora_learning_rate(cls, data: Any) -> Any:
-        # adapters need a larger step than full fine-tuning; only when lr is not given
-        if isinstance(data, dict) and data.get("lr") is None and (data.get("lora_rank") or 0) > 0:
-            return {**data, "lr": _default("lr") * LORA_LR_SCALE}
-        return data
 
 
     # --- the original AgentJet's arguments (docs/compat.md)
@@ -389,6 +411,12 @@ class AgentJetJob(BaseModel):
                                  f"got {self.lr}")
         return self
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        # a field the user sets is theirs, even if the server had chosen it before
+        if name != "defaults_chosen" and name in self.defaults_chosen:
+            self.defaults_chosen = [f for f in self.defaults_chosen if f != name]
+
     # ------------------------------------------------------------------ original names
 
     @property
@@ -442,8 +470,17 @@ class AgentJetJob(BaseModel):
     # ------------------------------------------------------------------ YAML
 
     def to_yaml(self) -> str:
-        """This project's flat YAML (what `submit_config` sends)."""
+        """This project's flat YAML, every field written out (`dump_yaml`)."""
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def submit_yaml(self) -> str:
+        """The flat YAML of the fields the user set (what `submit_config` sends).
+
+        The server's validator fills in the rest, some of them from the model's size
+        (`ajet.copilot.model_defaults`), which only the cluster can read.
+        """
+        return yaml.safe_dump(self.model_dump(mode="json", exclude_unset=True),
+                              sort_keys=False)
 
     def dump_yaml(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml(), encoding="utf-8")

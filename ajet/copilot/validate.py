@@ -4,6 +4,11 @@ Both forms are read: this project's flat YAML and the original AgentJet's nested
 tree (converted by `ajet.compat.nested_config`), so the conversion, too, runs from the
 active snapshot. `notes` lists settings accepted without effect here.
 
+Fields the user left unset (the client sends only those it set) and whose default follows
+the model, `lr`, `max_new_tokens`, `save_every`, ..., are chosen here from the model's
+`config.json` (`ajet/copilot/model_defaults.py`); each choice, and each set value far
+outside the usual range for the model, is a note (`status` `default` or `unusual`).
+
 After the fields, the memory planner (`ajet/engine/planning/memory_plan.py`, no torch) estimates
 the job's peak memory per GPU from the checkpoint's `config.json`; a job that will not fit
 is refused here, before anything starts, with the estimate by term, the memory available
@@ -23,6 +28,7 @@ from typing import Any
 
 import ajet
 from ajet.copilot.job import AgentJetJob, JobValidationError
+from ajet.copilot.model_defaults import resolve_job
 from ajet.engine.planning.memory_plan import plan_job
 from ajet.engine.tracking.trackers import missing_packages, parse_logging
 
@@ -34,6 +40,13 @@ def check(text: str) -> dict[str, Any]:
         job = AgentJetJob.from_yaml(text)
     except JobValidationError as exc:
         return {"ok": False, "message": str(exc), "errors": exc.errors, **where}
+    try:
+        job, chosen = resolve_job(job)
+    except JobValidationError as exc:  # a chosen value breaks a rule with a set one
+        return {"ok": False, "message": str(exc), "errors": exc.errors, **where}
+    except ValueError as exc:  # a config.json that cannot be read
+        return {"ok": False, "message": f"model: {exc}", **where,
+                "errors": [{"loc": ["model"], "msg": str(exc), "type": "value_error"}]}
     try:
         plan = plan_job(job)
     except ValueError as exc:  # a config.json the planner cannot read
@@ -56,7 +69,7 @@ def check(text: str) -> dict[str, Any]:
                            for name, _ in missing],
                 "hint": f"install it where the engine runs ({installs}), or drop it from "
                         "logging; nothing was changed (the previous config stays)"}
-    return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes(),
+    return {"ok": True, "config": job.model_dump(mode="json"), "notes": job.compat_notes() + chosen,
             "memory": memory, **where}
 
 

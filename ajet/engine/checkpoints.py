@@ -16,7 +16,16 @@
   per rank; on several nodes the run directory must be on a shared file system for this
   folder to be whole). `load_training_state` restores it into a learner of the same
   world size or another one (DCP reshards on load).
+- `rng/rank_<r>.pt`: each rank's random state (torch CPU and CUDA, Python's `random`).
 - `ajet_checkpoint.json`: step, run id, source checkpoint, LoRA or not.
+
+`resume_training` restores a checkpoint into a fresh learner for a run that continues
+an earlier one (the job's `resume_from`): master weights and AdamW state (then the
+inference copy, as after an update), the random state, and the step, from which the new
+run counts on. The episodes themselves come from the rollout clients: the order of the
+tasks is theirs; what the engine owns of the data order is its sampling, whose seed
+follows the step (`generation_seed`), so a resumed run does not replay the draws of
+the run's first steps.
 
 Written to `<name>.partial` and renamed by rank 0 once every rank is done, so a directory
 without that suffix is always complete. `save_checkpoint` is collective: under torchrun
@@ -44,12 +53,22 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ajet.engine.learner import Learner
 
-__all__ = ["TRAINING_STATE_DIR", "load_training_state", "save_checkpoint",
-           "step_checkpoint_dir"]
+__all__ = ["CHECKPOINT_FILE", "TRAINING_STATE_DIR", "generation_seed", "link_checkpoint",
+           "load_training_state", "resume_training", "save_checkpoint", "step_checkpoint_dir"]
 
 log = logging.getLogger(__name__)
 
 TRAINING_STATE_DIR = "training_state"
+CHECKPOINT_FILE = "ajet_checkpoint.json"
+RNG_DIR = "rng"
+#: Seed stride per step of the generator of a resumed run (a prime: no two (seed,
+#: step) pairs of nearby runs meet).
+_SEED_STRIDE = 1_000_003
+
+
+def generation_seed(seed: int, step: int) -> int:
+    """The generator's seed for a run whose steps start at `step` (0: the job's seed)."""
+    return seed + _SEED_STRIDE * step
 
 
 def step_checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -68,6 +87,7 @@ def save_checkpoint(learner: Learner, target: Path, *, step: int, run_id: str | 
         # both collective: every rank gathers and writes its part
         state = dist.full_state_dict(model.lm)
         _save_training_state(learner, partial / TRAINING_STATE_DIR)
+    _save_rng(partial / RNG_DIR, rank=dist.rank)
     if dist.is_main:
         compute = getattr(torch, cfg.dtype)
         if model.lora:
@@ -82,7 +102,7 @@ def save_checkpoint(learner: Learner, target: Path, *, step: int, run_id: str | 
                 partial, state_dict={k: v.to(compute) for k, v in state.items()},
                 is_main_process=True)
         policy.tokenizer.save_pretrained(partial)
-        (partial / "ajet_checkpoint.json").write_text(json.dumps(
+        (partial / CHECKPOINT_FILE).write_text(json.dumps(
             {"step": step, "run_id": run_id, "saved_at": time.time(),
              "source": str(policy.path), "lora": model.lora,
              "training_state": TRAINING_STATE_DIR, "world_size": dist.world_size}, indent=2))
@@ -92,6 +112,30 @@ def save_checkpoint(learner: Learner, target: Path, *, step: int, run_id: str | 
         log.info("checkpoint for step %d saved to %s", step, target)
     del state
     dist.barrier()  # every rank returns once the checkpoint is complete
+    return target
+
+
+def link_checkpoint(source: Path, target: Path) -> Path:
+    """`target` as a second name of the complete checkpoint `source`: the same files, hard
+    linked (no bytes written; copied where the file system cannot link), through
+    `<target>.partial` and a rename like any checkpoint. Rank 0 only."""
+    import os
+
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    for path in sorted(source.rglob("*")):
+        dest = partial / path.relative_to(source)
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+            continue
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(path, dest)
+        except OSError:
+            shutil.copy2(path, dest)
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
     return target
 
 
@@ -134,3 +178,53 @@ def load_training_state(learner: Learner, checkpoint: Path) -> None:
                    options=_state_options(learner, loading=True))
     with learner.policy.lock:
         learner.model.publish()
+
+
+def resume_training(learner: Learner, checkpoint: Path) -> int:
+    """Restore a checkpoint for a continuing run (collective); returns its step.
+
+    Raises `ValueError` naming the checkpoint when it is not a complete one of this
+    kind of training (full fine-tuning or LoRA).
+    """
+    meta_path = checkpoint / CHECKPOINT_FILE
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        step = int(meta["step"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"resume_from: {checkpoint} is not a complete checkpoint "
+                         f"({meta_path} unreadable: {exc})") from exc
+    if bool(meta.get("lora")) != learner.model.lora:
+        raise ValueError(f"resume_from: {checkpoint} was saved with"
+                         f"{'' if meta.get('lora') else 'out'} LoRA, this job trains "
+                         f"{'with' if learner.model.lora else 'without'} it; "
+                         "set lora_rank as the resumed run had it")
+    load_training_state(learner, checkpoint)
+    _load_rng(checkpoint / RNG_DIR, rank=learner.dist.rank)
+    log.info("resumed from %s: step %d (run %s), weights and optimizer state restored",
+             checkpoint, step, meta.get("run_id"))
+    return step
+
+
+def _save_rng(folder: Path, *, rank: int) -> None:
+    import random
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(state, folder / f"rank_{rank}.pt")
+
+
+def _load_rng(folder: Path, *, rank: int) -> None:
+    """This rank's random state; a rank the saving run did not have keeps its own."""
+    import random
+
+    path = folder / f"rank_{rank}.pt"
+    if not path.is_file():
+        log.info("no random state for rank %d in %s; it keeps its own", rank, folder)
+        return
+    state = torch.load(path, weights_only=True)  # tensors, ints and tuples only
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if state["cuda"] and torch.cuda.is_available() and \
+            len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])

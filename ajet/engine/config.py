@@ -7,7 +7,7 @@ snapshot, so a researcher who patches a default here changes the next run.
 
 This module imports no torch: the caller passes what the machine has
 (`cuda_devices`, `cpu_count`), which keeps conversion testable anywhere. Nor does it
-import the job model (pydantic, yaml) until `load_engine_config` reads a YAML file:
+import the job model (pydantic, yaml) until `runtime.load_engine_config` reads a YAML file:
 `engine_config_from_job` reads the job's fields by name, so `bench/gpu_check.py` builds
 an `EngineConfig` on a host with only torch, transformers and peft.
 """
@@ -29,7 +29,6 @@ __all__ = [
     "describe",
     "engine_config_from_job",
     "episodes_in_flight",
-    "load_engine_config",
 ]
 
 
@@ -109,6 +108,8 @@ class EngineConfig:
     lora_save_merged: bool
     micro_batch_tokens: int
     mini_batch_num: int
+    #: the PPO ratio's old log-probs from the trainer's own first-epoch forward (learner.py)
+    recompute_old_logprobs: bool
     #: when a step's batch is complete (ajet.engine.plane.episodes.COLLECTION_METHODS)
     sample_collection_method: str
     # --- derived / backend
@@ -206,6 +207,9 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         lora_save_merged=job.lora_save_merged,
         micro_batch_tokens=job.micro_batch_tokens,
         mini_batch_num=job.mini_batch_num,
+        # bf16 training is where the sampler's and the trainer's log-probs part most
+        recompute_old_logprobs=(on_gpu if job.recompute_old_logprobs == "auto"
+                                else bool(job.recompute_old_logprobs)),
         sample_collection_method=job.swarm_mode_sample_collection_method,
         device="cuda" if on_gpu else "cpu",
         # GPUs compute in bf16 over fp32 master weights and optimizer state (bf16 weights
@@ -234,15 +238,6 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         timeline_compare_level=job.timeline_compare_level,
         train_agents=tuple(job.train_agents),
     )
-
-
-def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int) -> tuple[AgentJetJob,
-                                                                                    EngineConfig]:
-    """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields)."""
-    from ajet.copilot.job import AgentJetJob
-
-    job = AgentJetJob.load_yaml(path)
-    return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
 
 
 def describe(cfg: EngineConfig) -> dict[str, Any]:

@@ -25,6 +25,18 @@ micro-batches (a real forward and backward of the batch's shortest sample, loss 
 that add nothing. At the end of `update` the new weights are published to the
 inference model (`TrainingModel.publish`). With one process there is no sharding and no
 padding: plain local training.
+
+The sampler-trainer gap. The old log-probs of the PPO ratio are the sampler's (recorded
+with each completion), but the generator and the trainer compute them differently (bf16
+kernels, batch shapes, the KV cache), so even on-policy the ratio is not exactly 1. At
+each sample's first forward (epoch 0) the learner measures the gap, |trainer log p -
+sampled log p| per token (its mean and max, and the share of tokens whose ratio against
+the sampled log-probs lies outside the clip range), for the step's metrics. With
+`recompute_old_logprobs` the ratio's old log-probs are the trainer's own instead: at epoch
+0 `old = new.detach()` from the same forward (so the first epoch's ratio is exactly 1 and
+nothing is clipped there), kept for the later epochs. That costs no extra forward pass,
+only the kept log-probs (4 bytes per response token). The samples keep the sampled
+log-probs either way; only the loss uses the trainer's.
 """
 
 from __future__ import annotations
@@ -121,6 +133,14 @@ class UpdateStats:
     publish_time_s: float = 0.0
     #: bytes of full weights it produced, in the inference model's dtype
     publish_bytes: int = 0
+    #: sampler-trainer gap at each sample's first forward: mean and max |delta log p|
+    logprob_gap_mean: float = 0.0
+    logprob_gap_max: float = 0.0
+    #: share of tokens whose ratio against the sampled log-probs is outside the clip range
+    logprob_gap_beyond_clip: float = 0.0
+    #: share of tokens the loss clipped in the first epoch (0 with recompute_old_logprobs
+    #: and one mini-batch)
+    clip_frac_first_epoch: float = 0.0
 
 
 class Learner:
@@ -131,6 +151,12 @@ class Learner:
         self.model: TrainingModel = build_training_model(policy, cfg, self.dist)
         self.optimizer = torch.optim.AdamW(self.model.params, lr=cfg.lr, betas=cfg.adam_betas,
                                            weight_decay=cfg.weight_decay)
+        #: within one update: each sample's first-epoch trainer log-probs (by sample id),
+        #: the ratio's old log-probs of the later epochs with recompute_old_logprobs
+        self._first_forward: dict[int, torch.Tensor] = {}
+        #: within one update: the gap's sums (|delta| sum, tokens, beyond clip) and max
+        self._gap = [0.0, 0.0, 0.0]
+        self._gap_max = 0.0
 
     def update(self, samples: Sequence[TrainSample]) -> UpdateStats:
         """Train on this rank's share of `samples` (the whole batch, same on every rank).
@@ -147,7 +173,8 @@ class Learner:
         # a rank short of micro-batches repeats this one with weight 0 (see the docstring)
         filler = min(samples, key=lambda s: s.length)
         losses: list[float] = []
-        kl_sum = entropy_sum = clipped = grad_norm = 0.0
+        kl_sum = entropy_sum = clipped = grad_norm = first_clipped = 0.0
+        self._first_forward, self._gap, self._gap_max = {}, [0.0, 0.0, 0.0], 0.0
         with self.policy.lock:
             self.model.train()
             try:
@@ -165,7 +192,8 @@ class Learner:
                         for index in range(n_micro):
                             real = index < len(micros)
                             terms, entropy = self._micro_batch(
-                                micros[index] if real else [filler], part_tokens)
+                                micros[index] if real else [filler], part_tokens,
+                                epoch=epoch if real else -1)
                             # x world_size: FSDP averages over the ranks, we want the sum
                             weight = float(dist.world_size) if real else 0.0
                             (terms.loss * weight).backward()
@@ -176,6 +204,7 @@ class Learner:
                             sums[2] += entropy
                             sums[3] += terms.clipped_tokens
                         sums = dist.sum_floats(sums)
+                        self.model.average_gradients()  # replicated (LoRA under torchrun)
                         grad_norm = clip_grad_norm(self.model.params, cfg.max_grad_norm)
                         self.optimizer.step()
                         losses.append(sums[0])
@@ -183,18 +212,26 @@ class Learner:
                         clipped += sums[3]
                         if epoch == 0:
                             entropy_sum += sums[2]
+                            first_clipped += sums[3]
             finally:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.model.train(False)
+                self._first_forward = {}
             published = self.model.publish()
+        gap_sum, gap_tokens, beyond = dist.sum_floats(self._gap)
+        gap_max = max(dist.gather(self._gap_max))
         return UpdateStats(
             loss=sum(losses) / len(losses), kl=kl_sum / n_tokens, entropy=entropy_sum / n_tokens,
             clip_frac=clipped / n_tokens, grad_norm=grad_norm, tokens=n_tokens,
             samples=len(samples), seconds=time.perf_counter() - start,
-            publish_time_s=published.seconds, publish_bytes=published.bytes)
+            publish_time_s=published.seconds, publish_bytes=published.bytes,
+            logprob_gap_mean=gap_sum / max(1.0, gap_tokens), logprob_gap_max=gap_max,
+            logprob_gap_beyond_clip=beyond / max(1.0, gap_tokens),
+            clip_frac_first_epoch=first_clipped / n_tokens)
 
-    def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int
+    def _micro_batch(self, micro: Sequence[TrainSample], n_tokens: int, *, epoch: int = 0
                      ) -> tuple[LossTerms, float]:
+        """Loss terms and entropy sum of one micro-batch; `epoch` -1 for a filler pass."""
         cfg, policy = self.cfg, self.policy
         batch = pack_responses([s.prompt_ids for s in micro], [s.response_ids for s in micro],
                                pad_id=policy.pad_id, device=policy.device,
@@ -204,10 +241,39 @@ class Learner:
             if cfg.kl_coef > 0 else None
         logprobs, entropy = self.model.scorer(batch, temperature=cfg.temperature)  # (B, R)
         width = batch.mask.size(1)
-        old = torch.zeros_like(logprobs)  # (B, R)
+        sampled = torch.zeros_like(logprobs)  # (B, R)
         for row, s in enumerate(micro):
-            old[row, :len(s.old_logprobs)] = torch.tensor(s.old_logprobs[:width])
+            sampled[row, :len(s.old_logprobs)] = torch.tensor(s.old_logprobs[:width])
+        old = self._old_logprobs(micro, logprobs, sampled, batch.mask, epoch=epoch)
         advantages = torch.tensor([s.advantage for s in micro], device=policy.device)  # (B,)
         terms = policy_loss(logprobs, old, advantages, batch.mask, clip_ratio=cfg.clip_ratio,
                             n_tokens=n_tokens, ref_logprobs=ref, kl_coef=cfg.kl_coef)
         return terms, float(entropy.detach().sum())
+
+    def _old_logprobs(self, micro: Sequence[TrainSample], logprobs: torch.Tensor,
+                      sampled: torch.Tensor, mask: torch.Tensor, *, epoch: int
+                      ) -> torch.Tensor:
+        """The ratio's old log-probs (B, R); at epoch 0 also adds up the sampler-trainer gap."""
+        if epoch < 0:  # a filler pass: weight 0, measures nothing
+            return sampled
+        new = logprobs.detach()  # (B, R)
+        if epoch == 0:
+            with torch.no_grad():
+                gap = (new - sampled).abs() * mask  # (B, R)
+                beyond = ((new - sampled).exp() - 1.0).abs() > self.cfg.clip_ratio
+                self._gap[0] += float(gap.sum())
+                self._gap[1] += float(mask.sum())
+                self._gap[2] += float((beyond.float() * mask).sum())
+                self._gap_max = max(self._gap_max, float(gap.max()) if gap.numel() else 0.0)
+        if not self.cfg.recompute_old_logprobs:
+            return sampled
+        if epoch == 0:  # the first forward of these samples: the ratio is exactly 1
+            for row, s in enumerate(micro):
+                self._first_forward[id(s)] = new[row].clone()
+            return new
+        old = torch.zeros_like(new)  # later epochs: the first epoch's log-probs
+        for row, s in enumerate(micro):
+            kept = self._first_forward[id(s)]
+            n = min(kept.numel(), old.size(1))
+            old[row, :n] = kept[:n]
+        return old

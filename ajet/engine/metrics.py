@@ -5,8 +5,10 @@ reward_min, reward_max, success_rate, loss, kl, entropy, response_length, episod
 tokens_per_s, step_time_s, wall_time_s, and each workflow `log_metrics` key averaged
 over the step's episodes, prefixed `log/`. A few extra diagnostics follow (groups,
 grad_norm, clip_frac, update_time_s, publish_time_s, publish_bytes, policy_lag,
-tool_call_parse_errors), and the trainer adds the timelines' counts (`train/episodes`,
-`train/completions`, `train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
+tool_call_parse_errors), the sampler-trainer gap (learner.py): `train/logprob_gap_mean`,
+`train/logprob_gap_max`, `train/logprob_gap_beyond_clip` and `train/clip_frac_first_epoch`,
+and the trainer adds the timelines' counts (`train/episodes`, `train/completions`,
+`train/samples`, `train/trained_tokens`, `train/prompt_tokens`,
 `train/retokenisation_drift`; `trainer.build_samples`).
 
 `success_rate` is the share of true `is_success` among the episodes whose workflow sent
@@ -72,6 +74,10 @@ def step_metrics(*, step: int, episodes: Sequence[Episode], rewards: Sequence[fl
         # replies whose tool-call block did not parse (served as content; chat_format)
         "tool_call_parse_errors": sum(c.tool_call_parse_error for e in episodes
                                       for c in e.trajectory.completions),
+        "train/logprob_gap_mean": update.logprob_gap_mean,
+        "train/logprob_gap_max": update.logprob_gap_max,
+        "train/logprob_gap_beyond_clip": update.logprob_gap_beyond_clip,
+        "train/clip_frac_first_epoch": update.clip_frac_first_epoch,
     }
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)

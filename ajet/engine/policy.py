@@ -78,8 +78,12 @@ def load_policy(path: Path, *, device: str, dtype: str, seed: int) -> Policy:
     """Load tokenizer and model from a checkpoint directory (no network access)."""
     torch_dtype = getattr(torch, dtype)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
     dev = torch.device(device)
+    # on a GPU straight onto the device, tensor by tensor from the (memory-mapped) files:
+    # the host holds no copy per rank, only the page cache the node's ranks share
+    placement = {"device_map": {"": dev}} if dev.type == "cuda" else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True,
+                                                 **placement)
     model.to(dev)
     model.eval()
     eos: set[int] = set()

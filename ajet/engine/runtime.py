@@ -43,9 +43,23 @@ if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot
     from ajet.engine.parallel.failures import RankFailures
     from ajet.engine.policy import Policy
 
-__all__ = ["main", "parse_args"]
+__all__ = ["CUDA_ALLOC_CONF", "allocator_conf", "main", "parse_args"]
 
 log = logging.getLogger("ajet.engine")
+
+#: The engine's CUDA caching allocator. The KV cache (tens of GiB) is allocated and freed
+#: every step, next to the update's tensors: with expandable segments the allocator maps
+#: and unmaps pages inside one growing segment instead of keeping fixed-size blocks, so
+#: freed memory is not stranded in fragments (torch's `expandable_segments`).
+CUDA_ALLOC_CONF = "expandable_segments:True"
+
+
+def allocator_conf(current: str | None) -> str:
+    """`PYTORCH_CUDA_ALLOC_CONF` for the engine: the operator's options, plus expandable
+    segments unless they chose otherwise."""
+    if current and "expandable_segments" in current:
+        return current
+    return ",".join(part for part in (current, CUDA_ALLOC_CONF) if part)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,12 +74,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", default=None, help="the run id the server assigned")
     p.add_argument("--workdir", type=Path, default=Path.cwd(),
                    help="the server's work directory (ajet-tiny is built under models/)")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="a checkpoint directory to continue from (the job's resume_from, "
+                        "resolved by the server)")
     p.add_argument("--log-level", default=os.environ.get("AJET_ENGINE_LOG_LEVEL", "INFO"))
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # read when CUDA first allocates, so before anything touches a GPU (even with torch
+    # already imported by the warm standby); torchrun's ranks each run this
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = allocator_conf(
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     rank = int(os.environ.get("RANK", "0"))
     where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -101,8 +122,9 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
     ajet_file = str(Path(ajet.__file__).resolve())
     # the code's identity is its content, not its path: each node keeps its own copy
     code_id = folder_snapshot_id(Path(ajet_file).parent)
-    log.info("engine pid %d, run %s, ajet from %s (content id %s), python %s", os.getpid(),
-             args.run_id, ajet_file, code_id[:12], sys.version.split()[0])
+    log.info("engine pid %d, run %s, ajet from %s (content id %s), python %s, "
+             "PYTORCH_CUDA_ALLOC_CONF=%s", os.getpid(), args.run_id, ajet_file, code_id[:12],
+             sys.version.split()[0], os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
     # A bad job fails here, before the slow imports, with each bad field named.
     from ajet.copilot.job import AgentJetJob
@@ -122,7 +144,6 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
     from ajet.engine.transport.unix_server import ChannelServer
     from ajet.engine.plane.app import create_channel_app
     from ajet.engine.plane.episode_plane import EpisodePlane
-    from ajet.engine.config import load_engine_config
     from ajet.engine.parallel.distributed import (
         Dist,
         group_store,
@@ -135,6 +156,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
     from ajet.engine.planning.peak_memory import PeakMemory
     from ajet.engine.policy import load_policy, resolve_model_path
     from ajet.engine.generation.ranks import RankService, connect_ranks
+    from ajet.engine.checkpoints import generation_seed, resume_training
     from ajet.engine.trainer import TrainerParts, finish, follow, train
 
     run_dir: Path = args.run_dir.resolve()
@@ -185,11 +207,13 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
         memory.mark_loaded(policy.model)  # CPU: the peak counts what training and generation add
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
+        # a continuing run: weights, optimizer and random state from its checkpoint
+        start_step = resume_training(learner, args.resume) if args.resume else 0
         # Everything loaded so far lives until exit: freezing it keeps each garbage
         # collection short (transformers collects whenever the generator rebuilds its
         # KV cache, once a step; without this each takes ~0.2 s here).
         gc.freeze()
-        local = build_generator(cfg, policy)
+        local = build_generator(cfg, policy, seed=generation_seed(cfg.seed, start_step))
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
         if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
@@ -212,7 +236,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
         parts = TrainerParts(cfg=cfg, registry=registry, policy=policy, learner=learner,
                              metrics=metrics, run_dir=run_dir, run_id=args.run_id, stop=stop,
                              started=started, dist=dist, generator=routed or local,
-                             memory=memory)
+                             memory=memory, start_step=start_step)
         steps = train(parts)
         reason = "stop requested" if stop.is_set() else f"max_steps={cfg.max_steps} reached"
         log.info("%s after %d step(s); writing the final checkpoint", reason, steps)
@@ -245,6 +269,19 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
     return 0
 
 
+def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int
+                       ) -> tuple[AgentJetJob, EngineConfig]:
+    """Read and validate `job.yaml` (raises `JobValidationError` naming bad fields), with
+    the model's defaults where the file leaves fields unset, as the server's validator
+    chooses them (a validated job has every field written out; a hand-written one not)."""
+    from ajet.copilot.job import AgentJetJob
+    from ajet.copilot.model_defaults import resolve_job
+    from ajet.engine.config import engine_config_from_job
+
+    job, _ = resolve_job(AgentJetJob.load_yaml(path))
+    return job, engine_config_from_job(job, cuda_devices=cuda_devices, cpu_count=cpu_count)
+
+
 def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workdir: Path,
                    plane_info: dict[str, object]) -> TrackerSet | None:
     """The job's `logging` trackers (rank 0), and where they write: `trackers.json` in the
@@ -267,11 +304,14 @@ def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workd
     return trackers
 
 
-def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
+def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = None
+                    ) -> Generator:
     """This rank's generator: the backend `generation_backend` (or the env) names.
 
     `bench/gpu_check.py` and `bench/memory_plan_probe.py` generate with it too, and the
-    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`)."""
+    memory planner sizes the same KV cache (`kv_cache.generation_concurrency`). `seed`
+    (default the job's) moves on with the step in a resumed run."""
+    seed = cfg.seed if seed is None else seed
     backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
     if backend == "recompute":
         from ajet.engine.generation.recompute import RecomputeGenerator
@@ -279,7 +319,7 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
         log.warning("generating with the reference backend (no KV cache): "
                     "AJET_ENGINE_GENERATION=recompute")
         return RecomputeGenerator(policy, temperature=cfg.temperature, top_p=cfg.top_p,
-                                  max_batch=cfg.max_generation_batch, seed=cfg.seed)
+                                  max_batch=cfg.max_generation_batch, seed=seed)
     if backend != "continuous_batching":
         raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
                          "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
@@ -289,7 +329,7 @@ def build_generator(cfg: EngineConfig, policy: Policy) -> Generator:
     return ContinuousBatchingGenerator(
         model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
         max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=cfg.seed, cache=CacheSettings(
+        seed=seed, cache=CacheSettings(
             max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
             concurrency=generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight),
             gpu_memory_utilization=cfg.gpu_memory_utilization,

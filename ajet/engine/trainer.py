@@ -14,7 +14,9 @@ One step, top to bottom (docs/internals.md):
 
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
 lets an update that has begun finish; the caller then calls `finish`, which writes the
-final checkpoint.
+final checkpoint (or, when the last step was just saved, makes `final/` hard links to
+that checkpoint's files instead of writing the same state twice). A resumed run (`start_step` > 0)
+counts its steps on from the checkpoint's; `max_steps` counts from the first run.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
@@ -40,7 +42,12 @@ from typing import Any
 
 from ajet.engine import trajectory
 from ajet.engine.advantages import grpo_advantages
-from ajet.engine.checkpoints import save_checkpoint, step_checkpoint_dir
+from ajet.engine.checkpoints import (
+    CHECKPOINT_FILE,
+    link_checkpoint,
+    save_checkpoint,
+    step_checkpoint_dir,
+)
 from ajet.engine.config import EngineConfig
 from ajet.engine.parallel.distributed import Dist
 from ajet.engine.plane.episodes import EpisodeRegistry, Group
@@ -80,6 +87,8 @@ class TrainerParts:
     generator: Generator | None = None
     #: the measured peak memory and the planner's estimate, on every metrics line
     memory: PeakMemory | None = None
+    #: steps already done: the step of the checkpoint a resumed run started from
+    start_step: int = 0
 
 
 @dataclass
@@ -154,7 +163,7 @@ def write_samples(run_dir: Path, step: int, records: Sequence[dict[str, Any]], *
 def train(parts: TrainerParts) -> int:
     """Run steps until stopped or `max_steps`; returns the number of finished steps."""
     cfg, registry, stop = parts.cfg, parts.registry, parts.stop
-    step = 0
+    step = parts.start_step
     while not stop.is_set() and (cfg.max_steps == 0 or step < cfg.max_steps):
         step_start = time.monotonic()
 
@@ -211,7 +220,13 @@ def checkpoint(parts: TrainerParts, target: Path, step: int) -> None:
 
 def finish(parts: TrainerParts, steps: int) -> None:
     """Rank 0, after `train`: the final checkpoint, then the other ranks stop."""
-    checkpoint(parts, parts.run_dir / "final", steps)
+    final, last = parts.run_dir / "final", step_checkpoint_dir(parts.run_dir, steps)
+    if steps > parts.start_step and (last / CHECKPOINT_FILE).is_file():
+        # the last step was saved a moment ago: final/ is that checkpoint, not a copy
+        link_checkpoint(last, final)
+        log.info("final checkpoint: step %d, the files of %s", steps, last)
+    else:
+        checkpoint(parts, final, steps)
     parts.dist.broadcast(("stop", None))
 
 

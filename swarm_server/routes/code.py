@@ -135,7 +135,8 @@ async def sync_train_code(
             upload_s = time.perf_counter() - started
             host = request.client.host if request.client else None
             result = await run_in_threadpool(_sync_zip, ctx, body, tmp / "staging",
-                                             force_restart=force_restart, role=role, host=host)
+                                             force_restart=force_restart, role=role, host=host,
+                                             detail=detail)
         result.bytes_uploaded = received
         result.timings = {"upload_s": round(upload_s, 4), **result.timings,
                           "server_total_s": round(time.perf_counter() - started, 4)}
@@ -347,8 +348,11 @@ def gc(ctx: Ctx, role: ControlAuth,
 
 
 def _sync_zip(ctx: ServerContext, body: Path, staging: Path, *, force_restart: bool, role: str,
-              host: str | None) -> CodeSyncResult:
-    """Judge and extract the zip, then materialise and activate like a commit."""
+              host: str | None, detail: dict[str, Any]) -> CodeSyncResult:
+    """Judge and extract the zip, then materialise and activate like a commit.
+
+    `detail` (the audit entry's) gains the snapshot stored, so the log says who stored
+    it even when its activation is then refused."""
     settings, store = ctx.settings, ctx.snapshots
     t0 = time.perf_counter()
     with SafeZip.open(body, ZipLimits.from_settings(settings)) as archive:
@@ -371,6 +375,7 @@ def _sync_zip(ctx: ServerContext, body: Path, staging: Path, *, force_restart: b
         # as it found it; nothing but its own blobs were added.
         store.discard_blobs(added)
         raise
+    detail.update(snapshot_id=rec.id, path=rec.path, reused=reused)
     result = _activate(ctx, rec, force_restart=force_restart, role=role, reused=reused,
                        timings={"extract_s": round(t1 - t0, 4), **timings})
     result.files = len(members)

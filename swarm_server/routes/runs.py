@@ -257,6 +257,8 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
         status=rec.status, final_state=rec.final_state, exit_code=rec.exit_code,
         reason=rec.reason, last_step=last_step, summary=summary,
         provenance=_provenance(ctx, rec.snapshot_id) if full else None,
+        resumed_from=rec.resumed_from, resume_checkpoint=rec.resume_checkpoint,
+        resume_step=rec.resume_step, last_checkpoint=rec.last_checkpoint,
         trackers=read_trackers(ctx.engine.run_dir(rec.id)),
     )
 

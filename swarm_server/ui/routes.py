@@ -36,7 +36,7 @@ from jinja2 import Environment, PackageLoader, select_autoescape
 from starlette.datastructures import Headers
 
 from ajet.code_review import escape_text
-from ajet.protocol import SERVER_CODE
+from ajet.protocol import SERVER_CODE, EngineState
 from ajet.errors import SwarmAuthError, SwarmHTTPError, SwarmNotFound
 from swarm_server.auth import approver_of, bearer_token, role_of
 from swarm_server.context import ServerContext
@@ -60,6 +60,9 @@ _env.filters["esc"] = escape_text
 _env.filters["datetime"] = lambda ts: time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
 _PAGE_LINES = 400
 _CONFIRM_CHARS = 12
+#: Pending rows shown, each with its review's files (reviews are cached, but bounded here).
+_PENDING_ROWS = 20
+_PENDING_FILES = 4
 _FULL_ID = re.compile(r"[0-9a-f]{64}")
 #: The sign-in form is read before anyone is known: a token field and little else.
 SIGN_IN_BODY = BodyLimit(bound=lambda ctx: ANONYMOUS_BODY_BYTES, knob="(fixed)")
@@ -199,8 +202,40 @@ def logout(request: Request, session: ConsoleAuth,
 
 @router.get("/approvals")
 def approvals_page(request: Request, ctx: Ctx, session: ConsoleAuth) -> Response:
-    return _page("approvals.html", request, ctx, session, pending=ctx.approvals.pending(),
+    pending = ctx.approvals.pending()
+    shown = pending[:_PENDING_ROWS]
+    uploaders = ctx.ledger.uploaders([p.snapshot_id for p in shown])
+    rows = [{"p": p, "changes": _changes(ctx, p.snapshot_id),
+             "uploaded": uploaders.get(p.snapshot_id)} for p in shown]
+    return _page("approvals.html", request, ctx, session, rows=rows, pending_total=len(pending),
                  recent=ctx.approvals.recent(20))
+
+
+@dataclass(frozen=True)
+class _Changes:
+    """What a pending row shows of its review: the first files, with +/- lines."""
+    files: list[tuple[str, str, int, int]]  # (path, change kind, added, removed)
+    more: int
+    added: int
+    removed: int
+    flagged: int
+    error: str | None = None
+
+
+def _changes(ctx: ServerContext, snapshot_id: str) -> _Changes:
+    # the same review the snapshot's page shows (against the same base), and cached there
+    rec = ctx.snapshots.get(snapshot_id)
+    if rec is None:
+        return _Changes([], 0, 0, 0, 0, error="no longer stored")
+    try:
+        review, _, _ = ctx.approvals.review(rec)
+    except (SwarmHTTPError, OSError) as exc:
+        log.warning("review of snapshot %s failed: %s", snapshot_id[:12], exc)
+        return _Changes([], 0, 0, 0, 0, error="review unavailable; open the snapshot")
+    files = [(f.path, f.kind.value, f.added, f.removed) for f in review.files]
+    return _Changes(files[:_PENDING_FILES], max(0, len(files) - _PENDING_FILES),
+                    sum(f.added for f in review.files), sum(f.removed for f in review.files),
+                    len(review.flagged))
 
 
 @router.get("/snapshots")
@@ -266,9 +301,11 @@ def decide_form(
     store = request.app.state.console_sessions
     if confirm.strip().lower() != rec.id[:_CONFIRM_CHARS]:
         store.notify(session.sid, rec.id,
-                     "the confirmation did not match the snapshot id; nothing was decided")
+                     "the confirmation did not match the snapshot id; nothing was decided",
+                     "error")
         return _redirect(f"/ui/snapshots/{rec.id}")
     decision = {"approve": "approved", "deny": "denied", "revoke": "revoked"}[action]
+    before = ctx.engine.status()
     try:
         decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id,
                base=base_id or None)
@@ -277,7 +314,16 @@ def decide_form(
             else exc.detail
         return _page("error.html", request, ctx, session, status_code=exc.status,
                      title="Not decided", text=str(detail))
-    store.notify(session.sid, rec.id, f"decision recorded: {decision}")
+    after = ctx.engine.status()
+    if before.state is not EngineState.OFFLINE and after.state is EngineState.OFFLINE:
+        # done, but with a consequence the approver should see: training stopped
+        why = ("it ran this snapshot" if before.snapshot_id == rec.id else
+               f"it ran snapshot {before.snapshot_id[:12]}, whose approval rested on this one")
+        store.notify(session.sid, rec.id,
+                     f"decision recorded: {decision}; the engine (run {before.run_id}) was "
+                     f"stopped: {why}", "warning")
+    else:
+        store.notify(session.sid, rec.id, f"decision recorded: {decision}", "success")
     return _redirect(f"/ui/snapshots/{rec.id}")
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["COOKIE", "ConsoleSession", "SessionStore", "SignInThrottle"]
+__all__ = ["COOKIE", "ConsoleSession", "Notice", "NoticeKind", "SessionStore", "SignInThrottle"]
 
 #: The session cookie's name (path /ui only).
 COOKIE = "ajet_console"
@@ -34,6 +34,17 @@ COOKIE = "ajet_console"
 _MAX_CONTROL_SESSIONS = 200
 _MAX_SESSIONS_PER_APPROVER = 50
 _MAX_NOTICES = 20
+
+
+#: How a notice reads: done as asked, done with a caveat, or not done.
+NoticeKind = Literal["success", "warning", "error"]
+
+
+@dataclass(frozen=True)
+class Notice:
+    """One message for a page, with its kind (the page styles each kind apart)."""
+    kind: NoticeKind
+    text: str
 
 
 @dataclass(frozen=True)
@@ -60,7 +71,7 @@ class SessionStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, ConsoleSession] = {}
-        self._notices: dict[str, dict[str, str]] = {}
+        self._notices: dict[str, dict[str, Notice]] = {}
 
     def create(self, role: Literal["approver", "control"], name: str) -> ConsoleSession:
         now = self._clock()
@@ -77,18 +88,18 @@ class SessionStore:
             self._sessions[session.sid] = session
         return session
 
-    def notify(self, sid: str, key: str, text: str) -> None:
-        """Keep a notice for this session's next view of page `key`."""
+    def notify(self, sid: str, key: str, text: str, kind: NoticeKind) -> None:
+        """Keep a notice of `kind` for this session's next view of page `key`."""
         with self._lock:
             if sid not in self._sessions:
                 return
             notices = self._notices.setdefault(sid, {})
             notices.pop(key, None)
-            notices[key] = text
+            notices[key] = Notice(kind, text)
             while len(notices) > _MAX_NOTICES:
                 notices.pop(next(iter(notices)))
 
-    def take_notice(self, sid: str, key: str) -> str | None:
+    def take_notice(self, sid: str, key: str) -> Notice | None:
         """The notice kept for page `key`, once (it is gone after this)."""
         with self._lock:
             return self._notices.get(sid, {}).pop(key, None)

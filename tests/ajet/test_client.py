@@ -1,7 +1,8 @@
-"""SwarmClient against real servers: typed errors, waits with deadlines, auto start, runs.
+"""SwarmClient against the server: typed errors, waits with deadlines, auto start, runs.
 
-The engine behind the server is the test fake (`tests/swarm_server/fake_engine.py`), so
-these tests exercise the real client, server and process lifecycle without torch.
+The server runs in process (the client on its transport), the engine behind it is the
+test fake (`tests/support/fake_engine.py`): the real client, server and engine lifecycle
+without torch. Auto start and an unreachable server need real sockets and processes.
 """
 
 from __future__ import annotations
@@ -29,21 +30,19 @@ from ajet.protocol import EngineState
 from tests.support import (
     CONTROL_TOKEN,
     WORKER_TOKEN,
-    ServerHandle,
     free_port,
     process_alive,
-    start_server,
 )
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.factory import Server, ServerFactory
+from tests.support.fake_engine import server_env, set_behaviour
 
 S = EngineState
 
 
 @pytest.fixture
-def fake_server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path / "swarm", env=server_env())
-    yield handle
-    handle.stop()
+def fake_server(server_factory: ServerFactory) -> Iterator[Server]:
+    with server_factory.fresh(env=server_env()) as server:
+        yield server
 
 
 def test_compatibility_import_path() -> None:
@@ -60,8 +59,8 @@ def test_compatibility_import_path() -> None:
         assert compat.client_uuid and compat.verbose is False
 
 
-def test_errors_are_typed_and_carry_detail_and_hint(fake_server: ServerHandle) -> None:
-    with SwarmClient(fake_server.url) as client:
+def test_errors_are_typed_and_carry_detail_and_hint(fake_server: Server) -> None:
+    with fake_server.client() as client:
         with pytest.raises(EngineStateConflict) as no_config:
             client.start_run()
         assert no_config.value.status == 409
@@ -78,21 +77,23 @@ def test_errors_are_typed_and_carry_detail_and_hint(fake_server: ServerHandle) -
         assert bad_regex.value.status == 400 and "regex" in bad_regex.value.hint
 
 
-def test_auth_errors_and_token_from_the_environment(secured_server: ServerHandle,
+def test_auth_errors_and_token_from_the_environment(server_factory: ServerFactory,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    secured_server = server_factory(env={"AJET_SWARM_TOKEN": CONTROL_TOKEN,
+                                         "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN})
     monkeypatch.delenv("AJET_SWARM_TOKEN", raising=False)
     monkeypatch.delenv("AJET_SWARM_WORKER_TOKEN", raising=False)
-    with SwarmClient(secured_server.url) as anonymous:
+    with secured_server.client() as anonymous:
         with pytest.raises(SwarmAuthError) as missing:
             anonymous.engine_status()
         assert missing.value.status == 401 and "AJET_SWARM_TOKEN" in missing.value.hint
-    with SwarmClient(secured_server.url, token=WORKER_TOKEN) as worker:
+    with secured_server.client(WORKER_TOKEN) as worker:
         assert worker.engine_status().state is S.OFFLINE  # read-only is allowed
         with pytest.raises(SwarmAuthError) as forbidden:
             worker.stop_run()
         assert forbidden.value.status == 403
     monkeypatch.setenv("AJET_SWARM_TOKEN", CONTROL_TOKEN)
-    with SwarmClient(secured_server.url) as control:
+    with secured_server.client() as control:
         assert control.stop_run().stopped is False
         assert control.get_audit().entries[-1].action == "stop_engine"
 
@@ -105,8 +106,8 @@ def test_unreachable_server_is_a_connection_error() -> None:
 
 
 def test_auto_sync_and_start_waits_until_rolling_and_respects_force_restart(
-        fake_server: ServerHandle) -> None:
-    with SwarmClient(fake_server.url) as client:
+        fake_server: Server) -> None:
+    with fake_server.client() as client:
         status = client.configure_and_start(
             AgentJetJob(experiment_name="auto-1"), wait_timeout=30)
         assert status.state is S.ROLLING and status.experiment_name == "auto-1"
@@ -122,9 +123,9 @@ def test_auto_sync_and_start_waits_until_rolling_and_respects_force_restart(
         assert client.stop_run().stopped
 
 
-def test_wait_raises_with_the_engines_error_when_boot_fails(fake_server: ServerHandle) -> None:
+def test_wait_raises_with_the_engines_error_when_boot_fails(fake_server: Server) -> None:
     set_behaviour(fake_server.workdir, mode="crash_at_boot", exit_code=5)
-    with SwarmClient(fake_server.url) as client:
+    with fake_server.client() as client:
         client.submit_config(AgentJetJob())
         with pytest.raises(SwarmError) as exc:
             client.start_run(wait=True, wait_timeout=30)
@@ -133,8 +134,8 @@ def test_wait_raises_with_the_engines_error_when_boot_fails(fake_server: ServerH
         assert "fake boot failure" in str(exc.value)
 
 
-def test_wait_for_state_has_a_deadline(fake_server: ServerHandle) -> None:
-    with SwarmClient(fake_server.url) as client:
+def test_wait_for_state_has_a_deadline(fake_server: Server) -> None:
+    with fake_server.client() as client:
         with pytest.raises(SwarmTimeout, match="ENGINE.ROLLING"):
             client.wait_for_state(S.ROLLING, timeout=0.2)
 

@@ -125,6 +125,12 @@ def test_train_memory(ctx: BenchContext) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_lora_memory(ctx: BenchContext) -> None:
+    rows = _run_module("lora_memory", ctx)
+    assert [r.unit for r in rows] == ["MiB"] * len(rows) and len(rows) >= 2
+
+
 def test_memory_plan(ctx: BenchContext) -> None:
     rows = _run_module("memory_plan", ctx)
     assert len(rows) == 4 and all(r.reference and r.reference > 0 for r in rows)

@@ -59,6 +59,7 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
     assert "nothing was run" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
     # in bf16, as on a GPU: an fp32 copy under autocast, the publication cast to bf16
     result = _run(*SMOKE, "--dtype", "bfloat16", "--steps", "2", "--requests", "8")

@@ -11,29 +11,27 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from ajet.protocol import EngineState
-from tests.faults.invariants import assert_consistent, wait_status
-from tests.support import ServerHandle, process_alive, start_server
-from tests.swarm_server.fake_engine import server_env, set_behaviour, started_pids
+from tests.support import process_alive
+from tests.support.factory import Server, ServerFactory
+from tests.support.fake_engine import server_env, set_behaviour, started_pids
+from tests.support.invariants import assert_consistent, wait_status
 
 JOB = "experiment_name: faults\nlr: 0.01\n"
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("engine-faults") / "swarm",
-                          env=server_env(AJET_SWARM_STOP_GRACE_S="1"))
-    assert httpx.post(f"{handle.url}/sync_train_config", json={"yaml": JOB}).status_code == 200
-    yield handle
-    handle.stop()
+def srv(server_factory: ServerFactory) -> Server:
+    handle = server_factory(env=server_env(AJET_SWARM_STOP_GRACE_S="1"), process=True)
+    assert handle.http.post("/sync_train_config", json={"yaml": JOB}).status_code == 200
+    return handle
 
 
-def start(srv: ServerHandle, **behaviour: object) -> tuple[str, int, int]:
+def start(srv: Server, **behaviour: object) -> tuple[str, int, int]:
     """Start an engine that spawns a child; returns (run id, engine pid, child pid)."""
     set_behaviour(srv.workdir, spawn_child=True, **behaviour)
     run_id = httpx.post(f"{srv.url}/start_engine", json={}, timeout=60).json()["run_id"]
@@ -46,14 +44,14 @@ def start(srv: ServerHandle, **behaviour: object) -> tuple[str, int, int]:
     return run_id, engine, int(child_file.read_text())
 
 
-def still_works(srv: ServerHandle) -> None:
+def still_works(srv: Server) -> None:
     set_behaviour(srv.workdir)
     assert httpx.post(f"{srv.url}/start_engine", json={}, timeout=60).status_code == 200
     wait_status(srv.url, EngineState.ROLLING)
     assert httpx.post(f"{srv.url}/stop_engine", json={}, timeout=60).json()["stopped"]
 
 
-def test_engine_sigkilled_while_booting(srv: ServerHandle) -> None:
+def test_engine_sigkilled_while_booting(srv: Server) -> None:
     run_id, engine, child = start(srv, mode="hang")  # never opens its socket: BOOTING
     status = wait_status(srv.url, EngineState.BOOTING)
     assert status.run_id == run_id and status.pid == engine and process_alive(child)
@@ -68,7 +66,7 @@ def test_engine_sigkilled_while_booting(srv: ServerHandle) -> None:
     still_works(srv)
 
 
-def test_engine_sigkilled_while_rolling(srv: ServerHandle) -> None:
+def test_engine_sigkilled_while_rolling(srv: Server) -> None:
     run_id, engine, child = start(srv)
     wait_status(srv.url, EngineState.ROLLING)
 
@@ -84,7 +82,7 @@ def test_engine_sigkilled_while_rolling(srv: ServerHandle) -> None:
     still_works(srv)
 
 
-def test_engine_that_exits_on_its_own_and_leaves_a_child(srv: ServerHandle) -> None:
+def test_engine_that_exits_on_its_own_and_leaves_a_child(srv: Server) -> None:
     run_id, engine, child = start(srv, exit_after_s=1.0, exit_code=5)
     after = assert_consistent(srv.url, srv.workdir, engine_pids=[engine, child],
                               died="exited with code 5")
@@ -92,12 +90,14 @@ def test_engine_that_exits_on_its_own_and_leaves_a_child(srv: ServerHandle) -> N
     still_works(srv)
 
 
-def test_stop_of_a_term_ignoring_engine_kills_its_group(srv: ServerHandle) -> None:
+def test_stop_of_a_term_ignoring_engine_kills_its_group(srv: Server) -> None:
     run_id, engine, child = start(srv, ignore_term=True)
     wait_status(srv.url, EngineState.ROLLING)
     stop = httpx.post(f"{srv.url}/stop_engine", json={"reason": "fault test"}, timeout=60)
-    assert stop.json() == {"stopped": True, "run_id": run_id, "state": "ENGINE.OFFLINE",
-                           "success": True}
+    body = stop.json()
+    assert {k: body[k] for k in ("stopped", "run_id", "state", "success")} == {
+        "stopped": True, "run_id": run_id, "state": "ENGINE.OFFLINE", "success": True}
+    assert body["last_checkpoint"] is None and body["waited_for"] == []
     assert_consistent(srv.url, srv.workdir, engine_pids=[engine, child])
     run = httpx.get(f"{srv.url}/runs/{run_id}").json()
     assert (run["status"], run["exit_code"]) == ("ended", -9)  # asked to stop: not a failure

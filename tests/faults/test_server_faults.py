@@ -28,10 +28,10 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import SwarmError
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import FileEntry
-from tests.faults.invariants import assert_consistent, assert_store_whole
-from tests.hostile import HOSTILE_LIMITS, blob_record, snapshot_dirs, store_state, tree_repo
 from tests.support import ServerHandle, start_server
-from tests.swarm_server.fake_engine import server_env
+from tests.support.fake_engine import server_env
+from tests.support.hostile import HOSTILE_LIMITS, blob_record, snapshot_dirs, store_state, tree_repo
+from tests.support.invariants import assert_consistent, assert_store_whole
 
 SLOW_FLAG = "slow_compile"
 

@@ -30,9 +30,9 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState
 from bench.soak import SoakConfig, SoakTarget, account, run_soak
-from tests.faults.invariants import assert_consistent
-from tests.security.test_engine_environ import leaked
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, make_ajet_repo, start_server
+from tests.support.environ import leaked
+from tests.support.invariants import assert_consistent
 
 pytestmark = pytest.mark.slow
 

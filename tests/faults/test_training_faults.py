@@ -29,8 +29,8 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict
 from ajet.protocol import BeginEpisodeResponse, EngineState
 from ajet.rollout import RolloutRunner, WorkflowOutput
-from tests.faults.invariants import assert_consistent, wait_status
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server
+from tests.support.invariants import assert_consistent, wait_status
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from mcp_bridge.approvals import ApprovalStore
-from tests.mcp_bridge.conftest import AJET_MCP, run_approvals_cli
 from tests.support import PROJECT_ROOT
+from tests.support.bridge import AJET_MCP, run_approvals_cli
 
 
 def _file(store: ApprovalStore, snapshot: str = "c" * 64) -> str:

@@ -1,8 +1,12 @@
-"""The research loop through MCP with the real engine (ajet-tiny on CPU), in process and over stdio.
+"""The research loop through MCP with the real engine (ajet-tiny on CPU), over stdio.
 
 configure -> start_engine -> start_rollouts -> read_metrics (text and PNG) -> patch ajet/
 -> sync_train_code (the human accepts through elicitation, the engine restarts on the new
 snapshot) -> read_metrics / read_logs on the new run -> compare_runs -> stop.
+
+The loop runs once, against `ajet-mcp` as an MCP client starts it (a process speaking
+stdio); the same tools in process (`build_server`) are tested one by one, on the fake
+engine, in test_tools.py and test_server.py.
 """
 
 from __future__ import annotations
@@ -17,16 +21,13 @@ import pytest
 from mcp import Client, StdioServerParameters
 
 from ajet.client import SwarmClient
-from mcp_bridge.models import ApprovalMode
-from mcp_bridge.server import build_server
-from tests.mcp_bridge.conftest import (
+from tests.support import PROJECT_ROOT, ServerHandle
+from tests.support.bridge import (
     AJET_MCP,
     Elicitor,
     assert_small,
-    make_bridge,
     structured,
 )
-from tests.support import PROJECT_ROOT, ServerHandle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -109,20 +110,6 @@ def _workflow_repo(repo: Path) -> None:
     # the workflow lives outside ajet/: it runs on the laptop and is never synced
     (repo / "examples").mkdir(exist_ok=True)
     shutil.copy(PROJECT_ROOT / "examples" / "digits_workflow.py", repo / "examples")
-
-
-async def test_research_loop_in_process(server: ServerHandle, repo: Path,
-                                        approvals_dir: Path) -> None:
-    _workflow_repo(repo)
-    bridge = make_bridge(server, repo, approvals_dir, approval=ApprovalMode.ASK)
-    human = Elicitor("accept")
-    try:
-        async with Client(build_server(bridge), elicitation_callback=human) as client:
-            synced = await _research_loop(client, repo, human)
-    finally:
-        bridge.client.stop_run(reason="test teardown")
-        bridge.close()
-    assert bridge.client is not None and synced["snapshot_id"]
 
 
 async def test_research_loop_over_stdio(server: ServerHandle, repo: Path,

@@ -24,15 +24,14 @@ from mcp_bridge.approvals import ApprovalStore
 from mcp_bridge.bridge import Bridge, BridgeConfig
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
-from tests.mcp_bridge.conftest import assert_small, run_approvals_cli, structured, text_of
 from tests.support import (
     APPROVER_TOKEN,
     CONTROL_TOKEN,
     ENFORCING_ENV,
-    ServerHandle,
-    start_server,
 )
-from tests.swarm_server.fake_engine import server_env
+from tests.support.bridge import assert_small, run_approvals_cli, structured, text_of
+from tests.support.factory import Server, ServerFactory
+from tests.support.fake_engine import server_env
 
 pytestmark = pytest.mark.anyio
 
@@ -61,15 +60,13 @@ def workflow(task, episode):
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("enforcing-bridge") / "swarm",
-                          env=server_env(**ENFORCING_ENV))
-    yield handle
-    handle.stop()
+def srv(server_factory: ServerFactory) -> Server:
+    # a real process: the bridge reaches the server over HTTP
+    return server_factory(env=server_env(**ENFORCING_ENV), process=True)
 
 
 @pytest.fixture
-def bridge(srv: ServerHandle, repo: Path, approvals_dir: Path) -> Iterator[Bridge]:
+def bridge(srv: Server, repo: Path, approvals_dir: Path) -> Iterator[Bridge]:
     b = Bridge(BridgeConfig(swarm_url=srv.url, token=CONTROL_TOKEN, repo=repo,
                             approval=ApprovalMode.ASK, approvals_dir=approvals_dir,
                             start_wait_s=30))
@@ -81,7 +78,7 @@ def bridge(srv: ServerHandle, repo: Path, approvals_dir: Path) -> Iterator[Bridg
 
 
 @pytest.fixture
-def approver(srv: ServerHandle) -> Iterator[SwarmClient]:
+def approver(srv: Server) -> Iterator[SwarmClient]:
     with SwarmClient(srv.url, token=APPROVER_TOKEN) as c:
         yield c
 
@@ -92,7 +89,7 @@ def _edit(repo: Path, marker: str) -> None:
 
 
 async def test_pending_until_the_approver_approves_on_the_server(
-        bridge: Bridge, repo: Path, approver: SwarmClient, srv: ServerHandle) -> None:
+        bridge: Bridge, repo: Path, approver: SwarmClient, srv: Server) -> None:
     _edit(repo, "enforced-v1")
     async with Client(build_server(bridge)) as client:  # no elicitation support
         assert "only a human approver" in (client.instructions or "")
@@ -121,7 +118,7 @@ async def test_pending_until_the_approver_approves_on_the_server(
 
 
 async def test_elicitation_shows_the_server_side_diff_and_where_to_approve(
-        bridge: Bridge, repo: Path, approver: SwarmClient, srv: ServerHandle) -> None:
+        bridge: Bridge, repo: Path, approver: SwarmClient, srv: Server) -> None:
     _edit(repo, "enforced-elicited")
     shown: list[str] = []
 
@@ -142,7 +139,7 @@ async def test_elicitation_shows_the_server_side_diff_and_where_to_approve(
 
 
 async def test_a_workflow_a_forged_file_and_the_laptop_cli_cannot_approve(
-        bridge: Bridge, repo: Path, approvals_dir: Path, srv: ServerHandle,
+        bridge: Bridge, repo: Path, approvals_dir: Path, srv: Server,
         approver: SwarmClient) -> None:
     _edit(repo, "enforced-attack")
     async with Client(build_server(bridge)) as client:

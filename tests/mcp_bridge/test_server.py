@@ -17,7 +17,7 @@ from mcp import Client
 from ajet.packaging import package_tree
 from mcp_bridge.models import ApprovalMode, ToolName
 from mcp_bridge.server import build_server, prompt_files
-from tests.mcp_bridge.conftest import (
+from tests.support.bridge import (
     Elicitor,
     assert_names_next,
     assert_small,

@@ -14,14 +14,14 @@ from mcp import Client, StdioServerParameters
 
 from ajet.client import SwarmClient
 from mcp_bridge.models import ToolName
-from tests.mcp_bridge.conftest import (
+from tests.support import CONTROL_TOKEN, ServerHandle
+from tests.support.bridge import (
     AJET_MCP,
     Elicitor,
     assert_small,
     run_approvals_cli,
     structured,
 )
-from tests.support import CONTROL_TOKEN, ServerHandle
 
 pytestmark = pytest.mark.anyio
 

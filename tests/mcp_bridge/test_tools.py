@@ -1,6 +1,6 @@
 """Tool logic as plain functions (no MCP), against a real server with a fake engine process.
 
-The engine here is `tests/swarm_server/fake_engine.py` (the real command line and socket
+The engine here is `tests/support/fake_engine.py` (the real command line and socket
 contract, no torch), so lifecycle, crash reporting, metrics and logs are tested in
 seconds; `test_end_to_end.py` runs the real engine.
 """
@@ -21,9 +21,9 @@ from mcp_bridge import sync, tools
 from mcp_bridge.bridge import Bridge
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
-from tests.mcp_bridge.conftest import assert_small, make_bridge, structured, text_of
 from tests.support import ServerHandle, start_server
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.bridge import assert_small, make_bridge, structured, text_of
+from tests.support.fake_engine import server_env, set_behaviour
 
 METRICS = [{"step": i, "reward_mean": 0.1 * i, "reward_std": 0.05, "success_rate": i / 10,
             "loss": 1.0 / i, "response_length": 12.0, "episodes": 4, "log/digit_share": 0.5}

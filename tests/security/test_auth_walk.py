@@ -1,14 +1,12 @@
 """Every route of the OpenAPI schema, walked with no token, a wrong token, the worker
-token and the control token; the refusals must match the access table below.
-
-The table is the specification: a route the server grows and this table does not name
-fails the walk, so nobody adds a route without deciding who may call it.
+token and the control token; the refusals must match the access table
+(tests/support/access.py): a route the server grows and the table does not name fails the
+walk, so nobody adds a route without deciding who may call it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -18,72 +16,19 @@ from tests.support import (
     CONTROL_TOKEN,
     ENFORCING_ENV,
     WORKER_TOKEN,
-    ServerHandle,
-    start_server,
 )
+from tests.support.access import (
+    ACCESS,
+    APPROVER,
+    CONTROL,
+    DOC_ROUTES,
+    EPISODE_KEY,
+    OPEN,
+    READER,
+    REVIEWER,
+)
+from tests.support.factory import Server, ServerFactory
 
-OPEN = "open"  # no token
-EPISODE_KEY = "episode key"  # the signed key from begin_episode, never a bearer token
-READER = "reader"  # worker or control token
-CONTROL = "control"  # control token only
-APPROVER = "approver"  # an approver token only (the control token cannot approve)
-REVIEWER = "reviewer"  # control or approver token: the server's own code, to review
-
-ACCESS: dict[tuple[str, str], str] = {
-    ("GET", "/health"): OPEN,
-    ("POST", "/v1/chat/completions"): EPISODE_KEY,
-    ("POST", "/v1/completions"): EPISODE_KEY,
-    ("POST", "/v1/responses"): EPISODE_KEY,
-    ("POST", "/v1/messages"): EPISODE_KEY,
-    ("POST", "/v1/messages/count_tokens"): EPISODE_KEY,
-    ("GET", "/v1/models"): EPISODE_KEY,
-    ("GET", "/v1/models/{model}"): EPISODE_KEY,
-    ("GET", "/version"): READER,
-    ("GET", "/get_engine_status"): READER,
-    ("GET", "/runs"): READER,
-    ("GET", "/runs/{run_id}"): READER,
-    ("GET", "/runs/{run_id}/metrics"): READER,
-    ("GET", "/runs/{run_id}/logs"): READER,
-    ("GET", "/runs/{run_id}/checkpoints"): READER,
-    ("GET", "/runs/{run_id}/samples"): READER,
-    ("GET", "/runs/{run_id}/checkpoints/{name}"): CONTROL,
-    ("GET", "/runs/{run_id}/checkpoints/{name}/archive"): CONTROL,
-    ("POST", "/begin_episode"): READER,
-    # the original AgentJet's own routes (swarm_server/routes/original.py)
-    ("POST", "/claim_episode"): READER,
-    ("GET", "/get_current_batch_rollout_pool_information"): READER,
-    ("POST", "/get_episode_buffer"): READER,
-    ("POST", "/can_continue_episode"): READER,
-    ("GET", "/get_server_experiment_dir"): READER,
-    ("POST", "/agree_sync_weight"): READER,
-    ("POST", "/end_episode"): READER,
-    ("POST", "/abort_episode"): READER,
-    ("GET", "/sync_train_config"): READER,
-    ("POST", "/sync_train_config"): CONTROL,
-    ("POST", "/start_engine"): CONTROL,
-    ("POST", "/stop_engine"): CONTROL,
-    ("POST", "/sync_train_code"): CONTROL,
-    ("POST", "/code/manifest"): CONTROL,
-    ("POST", "/code/blobs"): CONTROL,
-    ("POST", "/code/commit"): CONTROL,
-    ("GET", "/code"): CONTROL,
-    ("GET", "/code/snapshots"): CONTROL,
-    ("GET", "/code/snapshots/{snapshot_ref}"): CONTROL,
-    ("GET", "/code/blobs/{sha256}"): CONTROL,
-    ("POST", "/code/activate"): CONTROL,
-    ("POST", "/code/gc"): CONTROL,
-    ("GET", "/audit"): CONTROL,
-    ("GET", "/code/server"): REVIEWER,
-    ("GET", "/code/server/blobs/{sha256}"): REVIEWER,
-    ("GET", "/approvals"): APPROVER,
-    ("GET", "/approvals/{snapshot_ref}"): APPROVER,
-    ("POST", "/approvals/{snapshot_ref}/approve"): APPROVER,
-    ("POST", "/approvals/{snapshot_ref}/deny"): APPROVER,
-    ("POST", "/approvals/{snapshot_ref}/revoke"): APPROVER,
-}
-#: Served outside the schema; a reader token opens them.
-DOC_ROUTES = [("GET", "/docs"), ("GET", "/redoc"), ("GET", "/openapi.json"),
-              ("GET", "/docs/oauth2-redirect")]
 BAD_CREDENTIALS: list[dict[str, str]] = [
     {}, {"Authorization": "Bearer wrong-token"}, {"Authorization": "Basic abc"},
     {"Authorization": "Bearer"}, {"Authorization": f"Bearer {CONTROL_TOKEN}x"},
@@ -96,14 +41,12 @@ def bearer(token: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("walk") / "swarm", env=ENFORCING_ENV)
-    yield handle
-    handle.stop()
+def srv(server_factory: ServerFactory) -> Server:
+    return server_factory(env=ENFORCING_ENV)  # in process: the auth gate is the app's
 
 
-def schema_routes(url: str) -> list[tuple[str, str]]:
-    schema = httpx.get(f"{url}/openapi.json", headers=bearer(CONTROL_TOKEN), timeout=30).json()
+def schema_routes(http: httpx.Client) -> list[tuple[str, str]]:
+    schema = http.get("/openapi.json", headers=bearer(CONTROL_TOKEN)).json()
     return [(method.upper(), path) for path, ops in schema["paths"].items() for method in ops]
 
 
@@ -111,13 +54,13 @@ def concrete(path: str) -> str:
     return re.sub(r"\{[^}]+\}", "0" * 64, path)
 
 
-def test_the_access_table_names_every_route(srv: ServerHandle) -> None:
-    routes = schema_routes(srv.url)
+def test_the_access_table_names_every_route(srv: Server) -> None:
+    routes = schema_routes(srv.http)
     assert set(routes) == set(ACCESS), "classify new routes in ACCESS (and docs/security.md)"
 
 
-def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHandle) -> None:
-    with httpx.Client(base_url=srv.url, timeout=30) as http:
+def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: Server) -> None:
+    with srv.http_as(None) as http:  # no default token: each request sends its own
         for (method, path), access in [*ACCESS.items(), *((r, READER) for r in DOC_ROUTES)]:
             url = concrete(path)
             # a body that is not JSON: refusals must come before any parsing
@@ -155,16 +98,12 @@ def test_every_route_refuses_missing_wrong_and_insufficient_tokens(srv: ServerHa
 
 
 def test_a_server_with_only_a_control_token_refuses_everything_else(
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    handle = start_server(tmp_path_factory.mktemp("ctl-only") / "swarm",
-                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN})
-    try:
-        with httpx.Client(base_url=handle.url, timeout=30) as http:
-            for (method, path), access in ACCESS.items():
-                if access in (OPEN, EPISODE_KEY):
-                    continue
-                r = http.request(method, concrete(path), headers=bearer(WORKER_TOKEN))
-                assert r.status_code == 401, (method, path, r.text)
-            assert http.get("/get_engine_status", headers=bearer(CONTROL_TOKEN)).status_code == 200
-    finally:
-        handle.stop()
+        server_factory: ServerFactory) -> None:
+    handle = server_factory(env={"AJET_SWARM_TOKEN": CONTROL_TOKEN})
+    with handle.http_as(None) as http:
+        for (method, path), access in ACCESS.items():
+            if access in (OPEN, EPISODE_KEY):
+                continue
+            r = http.request(method, concrete(path), headers=bearer(WORKER_TOKEN))
+            assert r.status_code == 401, (method, path, r.text)
+        assert http.get("/get_engine_status", headers=bearer(CONTROL_TOKEN)).status_code == 200

@@ -19,11 +19,8 @@ import pytest
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, WORKER_TOKEN, start_server
-from tests.swarm_server.fake_engine import server_env
-
-SECRETS = (CONTROL_TOKEN.encode(), WORKER_TOKEN.encode(), APPROVER_TOKEN.encode(),
-           b"AJET_SWARM_TOKEN=", b"AJET_SWARM_WORKER_TOKEN=", b"AJET_SWARM_APPROVER_TOKENS",
-           b"approver-tokens-file")
+from tests.support.environ import leaked
+from tests.support.fake_engine import server_env
 
 
 def engine_tree(server_pid: int) -> dict[int, str]:
@@ -35,12 +32,6 @@ def engine_tree(server_pid: int) -> dict[int, str]:
         except psutil.Error:
             continue  # exited meanwhile (the config validator is short-lived)
     return tree
-
-
-def leaked(pid: int) -> list[bytes]:
-    """The secrets found in `/proc/<pid>/environ`."""
-    environ = Path(f"/proc/{pid}/environ").read_bytes()
-    return [s for s in SECRETS if s in environ]
 
 
 @pytest.mark.slow

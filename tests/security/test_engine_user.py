@@ -30,7 +30,7 @@ from swarm_server.main import create_app
 from swarm_server.settings import Settings
 from tests.security.inproc import inproc_server, tiny_ajet
 from tests.support import APPROVER_TOKEN, CONTROL_TOKEN, PROJECT_ROOT
-from tests.swarm_server.fake_engine import MODULE, PIDS_FILE
+from tests.support.fake_engine import MODULE, PIDS_FILE
 
 USER = "ajetenginetest"
 SYSTEM_PYTHON = Path("/usr/bin/python3")
@@ -76,7 +76,7 @@ def engine_python() -> Path:
     pth = site / "ajet_engine_user_test.pth"
     pth.write_text("\n".join(paths) + "\n")
     pth.chmod(0o644)
-    reach = _as_user("import ajet, pydantic, fastapi, uvicorn, tests.swarm_server.fake_engine")
+    reach = _as_user("import ajet, pydantic, fastapi, uvicorn, tests.support.fake_engine")
     if reach.returncode != 0:
         pytest.skip(f"user {USER} cannot import this checkout and its packages "
                     f"({(reach.stderr.strip().splitlines() or ['?'])[-1]}): put the checkout "

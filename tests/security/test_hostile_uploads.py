@@ -3,7 +3,7 @@ snapshot store, the blob store and the rest of the workdir exactly as they were.
 
 The named corpus (tests/swarm_server/test_safe_zip.py, test_code_sync.py) pins one case
 per rule; here hypothesis combines attacks with random honest content, positions and
-sizes. Every value is hostile by construction (tests/security/strategies.py).
+sizes. Every value is hostile by construction (tests/support/strategies.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ajet.client import SwarmClient
 from ajet.packaging import snapshot_id_of
 from ajet.protocol import FileEntry
-from tests.hostile import HOSTILE_LIMITS, blob_record, make_zip, tree_digest, tree_repo
-from tests.security.strategies import hostile_blob_streams, hostile_manifests, hostile_zips
-from tests.support import CONTROL_TOKEN, ServerHandle, start_server
+from tests.support import CONTROL_TOKEN
+from tests.support.factory import Server, ServerFactory
+from tests.support.hostile import HOSTILE_LIMITS, blob_record, make_zip, tree_digest, tree_repo
+from tests.support.strategies import hostile_blob_streams, hostile_manifests, hostile_zips
 
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 #: Blobs the server holds before the attacks (manifests may name them).
@@ -37,16 +37,15 @@ HYPOTHESIS = settings(max_examples=100, deadline=None, database=None, derandomiz
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("hostile") / "swarm",
-                          env={"AJET_SWARM_TOKEN": CONTROL_TOKEN, **HOSTILE_LIMITS})
+def srv(server_factory: ServerFactory, tmp_path_factory: pytest.TempPathFactory) -> Server:
+    handle = server_factory(env={"AJET_SWARM_TOKEN": CONTROL_TOKEN, **HOSTILE_LIMITS},
+                            process=True)
     repo = tree_repo(tmp_path_factory.mktemp("repo") / "repo", 3)
-    with SwarmClient(handle.url, token=CONTROL_TOKEN) as client:
+    with handle.client(CONTROL_TOKEN) as client:
         client.push_code(repo)  # a snapshot that must stay as it is
     body = b"".join(blob_record(b) for b in STORED)
-    assert httpx.post(f"{handle.url}/code/blobs", content=body, headers=CTL).status_code == 200
-    yield handle
-    handle.stop()
+    assert handle.http.post("/code/blobs", content=body, headers=CTL).status_code == 200
+    return handle
 
 
 def workdir_state(workdir: Path) -> dict[str, str]:
@@ -56,7 +55,7 @@ def workdir_state(workdir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def http(srv: ServerHandle) -> Iterator[httpx.Client]:
+def http(srv: Server) -> Iterator[httpx.Client]:
     """One connection pool for all examples (a new client per call costs ~10-40 ms)."""
     with httpx.Client(base_url=srv.url, headers=CTL, timeout=60) as client:
         yield client
@@ -67,7 +66,7 @@ def snapshot_ids(http: httpx.Client) -> list[str]:
     return [s["snapshot_id"] for s in page["snapshots"]] + [page["active"]]
 
 
-def assert_refused_and_untouched(srv: ServerHandle, http: httpx.Client,
+def assert_refused_and_untouched(srv: Server, http: httpx.Client,
                                  response: httpx.Response, before: dict[str, str],
                                  ids: list[str], attack: str) -> None:
     assert 400 <= response.status_code < 500, (attack, response.status_code, response.text)
@@ -80,7 +79,7 @@ def assert_refused_and_untouched(srv: ServerHandle, http: httpx.Client,
 @HYPOTHESIS
 @given(case=hostile_zips())
 def test_generated_hostile_zip_is_refused_and_changes_nothing(
-        srv: ServerHandle, http: httpx.Client, case: tuple[str, bytes]) -> None:
+        srv: Server, http: httpx.Client, case: tuple[str, bytes]) -> None:
     attack, data = case
     before, ids = workdir_state(srv.workdir), snapshot_ids(http)
     response = http.post("/sync_train_code", content=data,
@@ -98,7 +97,7 @@ def _snapshot_id(files: list[dict[str, Any]]) -> str:
 @HYPOTHESIS
 @given(case=hostile_manifests(stored=STORED), force_restart=st.booleans())
 def test_generated_hostile_manifest_commit_is_refused_and_changes_nothing(
-        srv: ServerHandle, http: httpx.Client, case: tuple[str, list[dict[str, Any]]],
+        srv: Server, http: httpx.Client, case: tuple[str, list[dict[str, Any]]],
         force_restart: bool) -> None:
     attack, files = case
     before, ids = workdir_state(srv.workdir), snapshot_ids(http)
@@ -110,7 +109,7 @@ def test_generated_hostile_manifest_commit_is_refused_and_changes_nothing(
 @HYPOTHESIS
 @given(case=hostile_manifests(stored=STORED))
 def test_generated_hostile_manifest_question_writes_nothing(
-        srv: ServerHandle, http: httpx.Client, case: tuple[str, list[dict[str, Any]]]) -> None:
+        srv: Server, http: httpx.Client, case: tuple[str, list[dict[str, Any]]]) -> None:
     attack, files = case
     before, ids = workdir_state(srv.workdir), snapshot_ids(http)
     response = http.post("/code/manifest", json={"files": files})
@@ -126,7 +125,7 @@ def test_generated_hostile_manifest_question_writes_nothing(
 
 @HYPOTHESIS
 @given(case=hostile_blob_streams())
-def test_generated_hostile_blob_stream_stores_nothing(srv: ServerHandle, http: httpx.Client,
+def test_generated_hostile_blob_stream_stores_nothing(srv: Server, http: httpx.Client,
                                                       case: tuple[str, bytes]) -> None:
     attack, data = case
     before, ids = workdir_state(srv.workdir), snapshot_ids(http)
@@ -135,7 +134,7 @@ def test_generated_hostile_blob_stream_stores_nothing(srv: ServerHandle, http: h
 
 
 def test_a_manifest_that_lies_about_sizes_cannot_pass_the_unpacked_cap(
-        srv: ServerHandle, http: httpx.Client) -> None:
+        srv: Server, http: httpx.Client) -> None:
     # Eight 900 KB blobs, each under the 1 MiB file cap, 7 MB in all against a 4 MiB cap;
     # the manifest claims 1 byte each so that its declared total passes.
     blobs = [hashlib.sha256(b"%d" % i).digest() * (900_000 // 32) for i in range(8)]
@@ -150,7 +149,7 @@ def test_a_manifest_that_lies_about_sizes_cannot_pass_the_unpacked_cap(
     assert "differs from the uploaded content" in response.json()["detail"]
 
 
-def test_a_zip_of_code_that_does_not_compile_adds_no_blob(srv: ServerHandle,
+def test_a_zip_of_code_that_does_not_compile_adds_no_blob(srv: Server,
                                                           http: httpx.Client) -> None:
     data = make_zip([("ajet/__init__.py", b""), ("ajet/evil.py", b"def broken(:\n"),
                      ("ajet/nul.py", b"x = 1\0\n")])

@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarm_server.limits import json_too_deep
-from tests.hostile import blob_record
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, start_server
+from tests.support import CONTROL_TOKEN, WORKER_TOKEN
+from tests.support.factory import Server, ServerFactory
+from tests.support.hostile import blob_record
 
 MAX_JSON = 4096
 MAX_DEPTH = 8
@@ -30,8 +31,9 @@ WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("limits") / "swarm", env={
+def srv(server_factory: ServerFactory) -> Server:
+    # a real process: the limits hold on real sockets (slow bodies, trickled headers)
+    return server_factory(process=True, env={
         "AJET_SWARM_TOKEN": CONTROL_TOKEN, "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN,
         "AJET_SWARM_MAX_JSON_BYTES": str(MAX_JSON),
         "AJET_SWARM_MAX_JSON_DEPTH": str(MAX_DEPTH),
@@ -39,8 +41,6 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
         "AJET_SWARM_REQUEST_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
         "AJET_SWARM_HEADER_TIMEOUT_S": str(HEADER_TIMEOUT_S),
     })
-    yield handle
-    handle.stop()
 
 
 def post_routes(url: str) -> list[str]:
@@ -58,7 +58,7 @@ def nested(depth: int) -> Any:
 # ---------------------------------------------------------------------------- auth first
 
 
-def test_auth_is_checked_before_the_body_is_parsed(srv: ServerHandle) -> None:
+def test_auth_is_checked_before_the_body_is_parsed(srv: Server) -> None:
     routes = post_routes(srv.url)
     assert {"/sync_train_config", "/end_episode", "/code/commit"} <= set(routes)
     with httpx.Client(base_url=srv.url, timeout=30) as http:
@@ -79,7 +79,7 @@ def test_auth_is_checked_before_the_body_is_parsed(srv: ServerHandle) -> None:
         assert r.status_code == 422
 
 
-def test_docs_and_schema_need_a_token_health_does_not(srv: ServerHandle) -> None:
+def test_docs_and_schema_need_a_token_health_does_not(srv: Server) -> None:
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect",
                      "/no/such/route"):
@@ -94,7 +94,7 @@ def test_docs_and_schema_need_a_token_health_does_not(srv: ServerHandle) -> None
 # ---------------------------------------------------------------------------- body size
 
 
-def test_json_body_over_the_cap_is_413_declared_or_streamed(srv: ServerHandle) -> None:
+def test_json_body_over_the_cap_is_413_declared_or_streamed(srv: Server) -> None:
     too_big = json.dumps({"yaml": "x" * MAX_JSON}).encode()
     with httpx.Client(base_url=srv.url, headers=CTL, timeout=30) as http:
         declared = http.post("/sync_train_config", content=too_big)
@@ -113,7 +113,7 @@ def test_json_body_over_the_cap_is_413_declared_or_streamed(srv: ServerHandle) -
         assert http.post("/sync_train_config", content=fits).status_code == 422
 
 
-def test_upload_routes_stream_past_the_json_cap(srv: ServerHandle) -> None:
+def test_upload_routes_stream_past_the_json_cap(srv: Server) -> None:
     data = b"# a module bigger than a JSON body may be\n" * (3 * MAX_JSON // 40)
     body = blob_record(data)
     assert len(body) > 2 * MAX_JSON
@@ -125,7 +125,7 @@ def test_upload_routes_stream_past_the_json_cap(srv: ServerHandle) -> None:
 # ---------------------------------------------------------------------------- depth
 
 
-def test_json_nested_past_the_depth_cap_is_400(srv: ServerHandle) -> None:
+def test_json_nested_past_the_depth_cap_is_400(srv: Server) -> None:
     with httpx.Client(base_url=srv.url, timeout=30) as http:
         deep = {"episode_uuid": "e", "task_id": "t", "reward": 1.0,
                 "metadata": nested(MAX_DEPTH)}  # MAX_DEPTH + 1 levels with the outer object
@@ -157,7 +157,7 @@ def test_json_depth_check_agrees_with_a_parser(value: Any, limit: int) -> None:
 # ---------------------------------------------------------------------------- headers, idle
 
 
-def test_oversized_headers_are_refused(srv: ServerHandle) -> None:
+def test_oversized_headers_are_refused(srv: Server) -> None:
     r = httpx.get(f"{srv.url}/get_engine_status", timeout=30,
                   headers={**WRK, **{f"X-Pad-{i}": "p" * 900 for i in range(10)}})
     assert r.status_code in (400, 431), r.text  # middleware 431, or uvicorn's parser first
@@ -178,7 +178,7 @@ def _stall(port: int, path: str, token: str) -> bytes:
         return reply
 
 
-def test_a_stalled_body_is_dropped(srv: ServerHandle) -> None:
+def test_a_stalled_body_is_dropped(srv: Server) -> None:
     reply = _stall(srv.port, "/sync_train_config", CONTROL_TOKEN)
     assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
     # an upload route: the stall reads as an interrupted upload, its temp files go
@@ -200,7 +200,7 @@ def _closed_by_server(s: socket.socket, within: float) -> bytes | None:
     return reply
 
 
-def test_connections_that_never_finish_their_headers_are_closed(srv: ServerHandle) -> None:
+def test_connections_that_never_finish_their_headers_are_closed(srv: Server) -> None:
     silent, partial = [], []
     try:
         for _ in range(25):
@@ -223,7 +223,7 @@ def test_connections_that_never_finish_their_headers_are_closed(srv: ServerHandl
             s.close()
 
 
-def test_trickled_headers_do_not_extend_the_deadline(srv: ServerHandle) -> None:
+def test_trickled_headers_do_not_extend_the_deadline(srv: Server) -> None:
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:
         s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         t0 = time.monotonic()
@@ -240,14 +240,14 @@ def test_trickled_headers_do_not_extend_the_deadline(srv: ServerHandle) -> None:
         assert closed and time.monotonic() - t0 < 4 * HEADER_TIMEOUT_S
 
 
-def test_keep_alive_requests_are_not_cut_by_the_header_timer(srv: ServerHandle) -> None:
+def test_keep_alive_requests_are_not_cut_by_the_header_timer(srv: Server) -> None:
     with httpx.Client(base_url=srv.url, headers=WRK, timeout=30) as http:
         for _ in range(2):  # one connection, requests spaced past the header timeout
             assert http.get("/get_engine_status").status_code == 200
             time.sleep(HEADER_TIMEOUT_S * 1.3)
 
 
-def test_a_head_growing_past_the_header_bound_is_431_before_it_ends(srv: ServerHandle) -> None:
+def test_a_head_growing_past_the_header_bound_is_431_before_it_ends(srv: Server) -> None:
     # httptools (the default parser) has no bound of its own on an unfinished head:
     # http_protocol counts its bytes; the header timer alone would let it grow for 1 s
     with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:

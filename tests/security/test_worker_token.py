@@ -26,9 +26,9 @@ import pytest
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState
-from tests.security.test_auth_walk import ACCESS, APPROVER, CONTROL, REVIEWER
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
-from tests.swarm_server.fake_engine import server_env
+from tests.support.access import ACCESS, APPROVER, CONTROL, REVIEWER
+from tests.support.fake_engine import server_env
 
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 WRK = {"Authorization": f"Bearer {WORKER_TOKEN}"}

@@ -33,40 +33,37 @@ from ajet.errors import (
 from ajet.packaging import build_zip, package_tree
 from ajet.protocol import SERVER_CODE, ApprovalState, EngineState
 from swarm_server.settings import Settings
-from tests.hostile import commit_all, git, manifest_entry
 from tests.support import (
     APPROVER_NAME,
     APPROVER_TOKEN,
     CONTROL_TOKEN,
     ENFORCING_ENV,
     PROJECT_ROOT,
-    ServerHandle,
     make_ajet_repo,
     start_server,
 )
-from tests.swarm_server.fake_engine import server_env
+from tests.support.factory import Server, ServerFactory
+from tests.support.fake_engine import server_env
+from tests.support.hostile import commit_all, git, manifest_entry
 
 REWARDS = "ajet/engine/rewards.py"
 AJET_SWARM = Path(sys.executable).with_name("ajet-swarm")
 
 
 @pytest.fixture(scope="module")
-def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path_factory.mktemp("enforcing") / "swarm",
-                          env=server_env(**ENFORCING_ENV))
-    yield handle
-    handle.stop()
+def srv(server_factory: ServerFactory) -> Server:
+    return server_factory(env=server_env(**ENFORCING_ENV), process=True)
 
 
 @pytest.fixture
-def control(srv: ServerHandle) -> Iterator[SwarmClient]:
+def control(srv: Server) -> Iterator[SwarmClient]:
     with SwarmClient(srv.url, token=CONTROL_TOKEN, timeout=60) as c:
         yield c
         c.stop_run(reason="test teardown")
 
 
 @pytest.fixture
-def approver(srv: ServerHandle) -> Iterator[SwarmClient]:
+def approver(srv: Server) -> Iterator[SwarmClient]:
     with SwarmClient(srv.url, token=APPROVER_TOKEN, timeout=60) as c:
         yield c
 
@@ -94,7 +91,7 @@ def _whole_diff(approver: SwarmClient, snapshot_id: str) -> str:
 
 
 def test_pending_code_never_runs_until_an_approver_approves_it(
-        tmp_path: Path, srv: ServerHandle, control: SwarmClient, approver: SwarmClient) -> None:
+        tmp_path: Path, srv: Server, control: SwarmClient, approver: SwarmClient) -> None:
     assert control.version().approvals_enforced
     repo = make_ajet_repo(tmp_path / "repo")
     _edit(repo, "\nAPPROVE_ME = 1\n")
@@ -184,7 +181,7 @@ def test_every_trick_shows_up_in_the_server_side_diff(
 
 
 def test_files_that_run_without_source_are_refused_at_upload(
-        tmp_path: Path, srv: ServerHandle, control: SwarmClient) -> None:
+        tmp_path: Path, srv: Server, control: SwarmClient) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
     pyc = repo / "ajet" / "__pycache__" / "__init__.cpython-311.pyc"
     pyc.parent.mkdir()
@@ -209,7 +206,7 @@ def test_files_that_run_without_source_are_refused_at_upload(
     assert answer.status_code == 400 and "__pycache__" in answer.text
 
 
-def test_ajet_swarm_approvals_cli(tmp_path: Path, srv: ServerHandle,
+def test_ajet_swarm_approvals_cli(tmp_path: Path, srv: Server,
                                   control: SwarmClient) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
     _edit(repo, "\nCLI_MARK = '\x1b[31mred'\n")

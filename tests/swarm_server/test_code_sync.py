@@ -1,4 +1,4 @@
-"""Code sync end to end: real git repos, real swarm servers, the fake engine.
+"""Code sync end to end: real git repos, swarm servers (in process), the fake engine.
 
 What is checked: exactly the git-tracked files reach `./ajet_temp/<timestamp>/ajet` and
 the engine runs them; untracked files are named, not shipped; unchanged trees upload
@@ -30,7 +30,17 @@ from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.uploads import check_free_disk
-from tests.hostile import (
+from tests.support import (
+    CONTROL_TOKEN,
+    PROJECT_ROOT,
+    WORKER_TOKEN,
+    ServerHandle,
+    make_ajet_repo,
+    start_server,
+)
+from tests.support.factory import Server, ServerFactory
+from tests.support.fake_engine import server_env
+from tests.support.hostile import (
     HOSTILE_LIMITS,
     blob_record,
     commit_all,
@@ -41,16 +51,7 @@ from tests.hostile import (
     tree_digest,
     tree_repo,
 )
-from tests.support import (
-    CONTROL_TOKEN,
-    PROJECT_ROOT,
-    WORKER_TOKEN,
-    ServerHandle,
-    make_ajet_repo,
-    start_server,
-)
-from tests.swarm_server.fake_engine import server_env
-from tests.swarm_server.test_safe_zip import HOSTILE
+from tests.support.hostile_zips import HOSTILE
 
 SNAPSHOT_PATH = re.compile(r"^ajet_temp/\d{8}_\d{6}_\d{6}/ajet$")
 
@@ -65,15 +66,14 @@ def files_under(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture
-def engine_server(tmp_path: Path) -> Iterator[ServerHandle]:
-    handle = start_server(tmp_path / "swarm", env=server_env())
-    yield handle
-    handle.stop()
+def engine_server(server_factory: ServerFactory) -> Iterator[Server]:
+    with server_factory.fresh(env=server_env()) as server:  # in process, one per test
+        yield server
 
 
 @pytest.fixture
-def client(engine_server: ServerHandle) -> Iterator[SwarmClient]:
-    with SwarmClient(engine_server.url, timeout=60) as c:
+def client(engine_server: Server) -> Iterator[SwarmClient]:
+    with engine_server.client(timeout=60) as c:
         yield c
 
 
@@ -81,7 +81,7 @@ def client(engine_server: ServerHandle) -> Iterator[SwarmClient]:
 
 
 def test_sync_ships_tracked_files_and_engine_runs_them(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
     marker = f"PATCHED-{os.getpid()}-{time.time_ns()}"
     init = repo / "ajet" / "__init__.py"
@@ -155,7 +155,7 @@ def test_sync_ships_tracked_files_and_engine_runs_them(
 
 
 def test_unchanged_tree_uploads_nothing_and_one_edit_uploads_one_blob(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 150, file_bytes=10_000)
     first = client.push_code(repo)
     assert first.files == len({f.sha256 for f in package_tree(repo).files})
@@ -187,7 +187,7 @@ def test_unchanged_tree_uploads_nothing_and_one_edit_uploads_one_blob(
 
 
 def test_blob_lost_before_commit_is_uploaded_again(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient,
+        tmp_path: Path, engine_server: Server, client: SwarmClient,
         monkeypatch: pytest.MonkeyPatch) -> None:
     repo = tree_repo(tmp_path / "repo", 3)
     pkg = package_tree(repo)
@@ -211,7 +211,7 @@ def test_blob_lost_before_commit_is_uploaded_again(
 
 
 def test_zip_sync_creates_and_activates_a_snapshot(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 5)
     pkg = package_tree(repo)
     result = client.push_code_zip(build_zip(pkg, tmp_path / "code.zip"))
@@ -223,7 +223,7 @@ def test_zip_sync_creates_and_activates_a_snapshot(
 
 
 def test_syntax_error_is_refused_and_nothing_is_activated(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 3)
     good = client.push_code(repo)
     (repo / "ajet" / "m1" / "mod_1.py").write_text("def broken(:\n")
@@ -241,7 +241,7 @@ def test_syntax_error_is_refused_and_nothing_is_activated(
 
 
 def test_activate_earlier_snapshot_and_server_code(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 4)
     a = client.push_code(repo)
     (repo / "ajet" / "__init__.py").write_text('"""v2"""\n')
@@ -282,7 +282,7 @@ def test_activate_earlier_snapshot_and_server_code(
 
 
 def test_gc_keeps_newest_active_and_run_used(
-        tmp_path: Path, engine_server: ServerHandle, client: SwarmClient) -> None:
+        tmp_path: Path, engine_server: Server, client: SwarmClient) -> None:
     repo = tree_repo(tmp_path / "repo", 3)
     ids: list[str] = []
     unique_blob: dict[str, str] = {}

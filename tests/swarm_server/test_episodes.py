@@ -19,6 +19,7 @@ from ajet.errors import EngineStateConflict, SwarmAuthError, SwarmNotFound
 from ajet.protocol import BeginEpisodeResponse
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server, start_server
+from tests.support.episodes import begin
 
 JOB = AgentJetJob(batch_size=1, num_repeat=2, max_new_tokens=8, episode_timeout_s=60.0)
 
@@ -44,18 +45,6 @@ def ask(client: openai.OpenAI, text: str = "hello") -> str:
     reply = client.chat.completions.create(model="ajet-tiny",
                                            messages=[{"role": "user", "content": text}])
     return reply.choices[0].message.content or ""
-
-
-def begin(client: SwarmClient, **kwargs: Any) -> BeginEpisodeResponse:
-    """begin_episode, retrying while a step closes claims (409), as rollout workers do."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            return client.open_episode(**kwargs)
-        except EngineStateConflict:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 def raw(server: ServerHandle, path: str, body: dict[str, Any], token: str | None = WORKER_TOKEN

@@ -12,7 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+import yaml
+
 from ajet.client import SwarmClient
+from ajet.copilot.job import AgentJetJob
 from tests.support import ServerHandle, make_ajet_repo, start_server
 
 QWEN_7B = Path(__file__).parents[1] / "ajet" / "engine" / "models" / "Qwen2.5-7B-Instruct"
@@ -34,7 +37,8 @@ def _fake_nvidia_smi(folder: Path) -> Path:
 def gpu_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
     root = tmp_path_factory.mktemp("memory")
     path = f"{_fake_nvidia_smi(root / 'bin')}{os.pathsep}{os.environ['PATH']}"
-    handle = start_server(root / "swarm", env={"PATH": path})
+    # and a GPU node's host memory (this machine may have less than eight GPUs' worth)
+    handle = start_server(root / "swarm", env={"PATH": path, "AJET_ENGINE_HOST_MEMORY_GB": "2048"})
     yield handle
     handle.stop()
 
@@ -51,7 +55,7 @@ def test_the_headline_job_on_one_gpu_is_refused_with_the_numbers(gpu_server: Ser
     body = r.json()
     (error,) = body["detail"]
     assert error["type"] == "memory_estimate"
-    for line in ("AdamW moments (fp32)", "gradients (fp32)", "activations (16384 tokens",
+    for line in ("AdamW moments (fp32)", "gradients (fp32)", "activations (8192 tokens",
                  "generation copy (bf16)", "available: 79.65 GiB (nvidia-smi, 8 GPU(s) visible)",
                  "short by"):
         assert line in error["msg"], error["msg"]
@@ -83,6 +87,37 @@ def test_memory_check_warn_accepts_a_job_that_does_not_fit(gpu_server: ServerHan
     assert r.json()["memory"]["fits"] is False
 
 
+def test_the_headline_job_gets_defaults_for_a_7b_model(gpu_server: ServerHandle) -> None:
+    """Built as the seed writes it, with no lr, max_new_tokens or save_every: the server
+    chooses them for a 7.6B model and says why."""
+    job = AgentJetJob(experiment_name="remote_controlled_grpo", algorithm="grpo", n_gpu=8,
+                      model=str(QWEN_7B), batch_size=32, num_repeat=4)
+    assert "lr" not in yaml.safe_load(job.submit_yaml())  # only what the user set is sent
+    with SwarmClient(gpu_server.url, timeout=60) as client:
+        accepted = client.submit_config(job)
+        config = accepted.config
+        assert config["lr"] == 1e-6
+        assert config["max_new_tokens"] == config["max_response_length"] == 1024
+        assert config["save_every"] == 20
+        assert config["micro_batch_tokens"] == 9216  # one whole sample: 8192 + 1024
+        assert 1000 < config["boot_timeout_s"] < 1300 and 400 < config["stop_grace_s"] < 800
+        notes = {n.field: n for n in accepted.notes if n.status == "default"}
+        assert set(notes) >= {"lr", "max_new_tokens", "save_every", "micro_batch_tokens",
+                              "boot_timeout_s", "stop_grace_s"}
+        assert "over 1B parameters" in notes["lr"].reason
+        assert accepted.memory is not None and accepted.memory["fits"] is True
+
+        lora = client.submit_config(job.model_copy(update={"lora_rank": 16}))
+        assert lora.config["lr"] == 5e-5 and lora.config["lora_target_modules"] == "all-linear"
+
+        job.lr = 1e-4  # set by hand: kept, with a note naming the usual range
+        hot = client.submit_config(job)
+        assert hot.config["lr"] == 1e-4
+        (unusual,) = [n for n in hot.notes if n.status == "unusual"]
+        assert unusual.field == "lr" and "1e-07 to 1e-05" in unusual.reason
+        assert "lr" not in {n.field for n in hot.notes if n.status == "default"}
+
+
 def test_the_planner_of_the_synced_snapshot_decides(gpu_server: ServerHandle,
                                                     tmp_path: Path) -> None:
     repo = make_ajet_repo(tmp_path / "repo")
@@ -96,3 +131,4 @@ def test_the_planner_of_the_synced_snapshot_decides(gpu_server: ServerHandle,
         client.push_code(repo)
     r = _submit(gpu_server, HEADLINE + "n_gpu: 8\n")
     assert r.status_code == 422 and "CUDA context" in r.json()["detail"][0]["msg"]
+

@@ -30,10 +30,9 @@ from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.tiny import TinySpec, ensure_tiny_model
 from ajet.engine.transport.unix_server import ChannelServer
 from ajet.protocol import BeginEpisodeRequest, BeginEpisodeResponse, EngineState
-from ajet.errors import SwarmNotFound
 from swarm_server.main import create_app
 from swarm_server.settings import Settings
-from tests.ajet.engine.engine_support import ScriptedGenerator
+from tests.support.engine import ScriptedGenerator
 from tests.swarm_server.claude_code import TOOL_NAMES, claude_code_body, claude_code_headers
 
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -319,7 +318,8 @@ def test_an_engine_without_the_route_is_a_404_and_the_episode_lives_on(tmp_path:
     is not taken for closed."""
     import asyncio
 
-    from tests.swarm_server.test_gateway_table import gateway_on
+    from ajet.errors import SwarmNotFound
+    from tests.support.gateway import gateway_on
 
     async def scenario() -> None:
         async with gateway_on(tmp_path) as (gateway, _):

@@ -16,8 +16,8 @@ import pytest
 
 from ajet.client import SwarmClient
 from ajet.protocol import BeginEpisodeResponse
-from tests.swarm_server.test_episodes import begin
-from tests.tool_model import (
+from tests.support.episodes import begin
+from tests.support.tool_model import (
     CALL_TEXT,
     SYSTEM,
     TOOL,

@@ -21,7 +21,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.protocol import SERVER_CODE, EngineState
 from swarm_server.ledger import Ledger, RunRecord
 from tests.support import process_alive, start_server
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.fake_engine import server_env, set_behaviour
 
 METRICS = [{"step": 1, "reward_mean": 0.25}, {"step": 2, "reward_mean": 0.5}]
 

@@ -19,7 +19,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import SwarmNotFound
 from ajet.protocol import EngineState
 from tests.support import ServerHandle, make_ajet_repo, start_server
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.fake_engine import server_env, set_behaviour
 
 A_METRICS = [{"step": s, "reward_mean": r, "loss": l, "success_rate": 0.1 * s}
              for s, r, l in [(1, 0.1, 2.0), (2, 0.4, 1.5), (3, 0.9, 1.7), (4, 0.5, 0.8),

@@ -31,7 +31,7 @@ from swarm_server.standby import engine_sys_path, file_stamps, stale_modules
 from swarm_server.standby_keeper import STANDBY_META_KEY, StandbyKeeper
 from swarm_server.supervisor import PosixSpawner, SpawnSpec, snapshot_env
 from tests.support import ServerHandle, process_alive, start_server, wait_gone
-from tests.swarm_server.fake_engine import server_env, set_behaviour
+from tests.support.fake_engine import server_env, set_behaviour
 
 #: What the fake engine imports from third parties: cheap to preload.
 LIGHT_PRELOAD = '["fastapi", "uvicorn"]'

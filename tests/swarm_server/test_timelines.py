@@ -18,8 +18,8 @@ import pytest
 from ajet.client import SwarmClient
 from ajet.errors import SwarmNotFound
 from ajet.protocol import SamplePublic
-from tests.swarm_server.test_episodes import begin
-from tests.tool_model import (
+from tests.support.episodes import begin
+from tests.support.tool_model import (
     CALLS,
     SYSTEM,
     TOOL,

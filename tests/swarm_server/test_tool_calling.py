@@ -1,9 +1,14 @@
-"""Tool-using agents on the episode plane, with the real clients against a real server.
+"""Tool-using agents end to end: the real clients, a real server, the real engine.
 
-The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/tool_model.py, the
-session's `tool_server`), so every tool call here is a real model output parsed by the
-engine. Each test ends exactly two episodes (batch_size=2, num_repeat=1: one training
-step per test) or aborts them, so a test can read its own metrics line.
+The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/support/tool_model.py,
+the session's `tool_server`), so every tool call here is real model output parsed by the
+engine, through both the chat completions and the Responses API. Each test ends exactly
+two episodes (batch_size=2, num_repeat=1: one training step per test) or aborts them, so a
+test can read its own metrics line. The chat and Responses routes themselves (rendering,
+parsing, streaming shapes, every refusal) are tested in process with a scripted generator
+(tests/ajet/engine/test_openai_routes.py, test_responses_routes.py); these tests are kept
+to what needs the real model, the frameworks and the server in front of the engine. One
+file, so one worker fine-tunes the model and boots its engine.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ import pytest
 
 from ajet.client import SwarmClient
 from tests.support import WORKER_TOKEN, ServerHandle
-from tests.swarm_server.test_episodes import begin
-from tests.tool_model import (
+from tests.support.episodes import begin
+from tests.support.tool_model import (
     CALL_TEXT,
     CALLS,
     MAX_PROMPT_LENGTH,
@@ -29,7 +34,6 @@ from tests.tool_model import (
     WEATHER_ANSWER,
     WEATHER_QUESTION,
     get_weather,
-    history_after_call,
     last_step,
     next_step,
     oai,
@@ -87,105 +91,22 @@ def test_openai_client_calls_a_tool_follows_up_and_the_episodes_train(
     assert json.loads("".join(p.function.arguments or "" for p in parts)) == {"city": "Paris"}
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     streamed_tokens = [c.usage for c in chunks if c.usage][0].completion_tokens
+    # the model's call cut by max_tokens: a <tool_call> block that never closes is served
+    # as content, marked, and counted at the training step
+    cut = oai(second).chat.completions.create(model="m", messages=question, tools=[TOOL],
+                                              max_tokens=20)
+    assert cut.choices[0].message.content == CALL_TEXT[:20]
+    assert not cut.choices[0].message.tool_calls and cut.choices[0].finish_reason == "length"
+    assert "JSON" in cut.model_extra["ajet"]["tool_call_parse_error"]
 
     tool_worker.report_episode(first.episode_uuid, "weather", 1.0)
     tool_worker.report_episode(second.episode_uuid, "weather-stream", 0.0)
     line = next_step(tool_worker, before)
-    assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
+    assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 1
     # every recorded response token is trained on: the calls, the answer, the stream
-    recorded = reply.usage.completion_tokens + answer.usage.completion_tokens + streamed_tokens
+    recorded = (reply.usage.completion_tokens + answer.usage.completion_tokens
+                + streamed_tokens + cut.usage.completion_tokens)
     assert line["response_length"] == recorded / 2
-
-
-def test_a_malformed_call_comes_back_as_content_and_is_counted(
-        tool_server: ServerHandle, tool_worker: SwarmClient) -> None:
-    before = last_step(tool_worker)
-    episodes = [begin(tool_worker), begin(tool_worker)]
-    question = [{"role": "user", "content": WEATHER_QUESTION}]
-    # the model's call, cut by max_tokens: a <tool_call> block that never closes
-    cut = oai(episodes[0]).chat.completions.create(model="m", messages=question,
-                                                    tools=[TOOL], max_tokens=20)
-    choice = cut.choices[0]
-    assert choice.message.content == CALL_TEXT[:20] and not choice.message.tool_calls
-    assert choice.finish_reason == "length"
-    assert "JSON" in cut.model_extra["ajet"]["tool_call_parse_error"]
-    stream = oai(episodes[1]).chat.completions.create(model="m", messages=question,
-                                                      tools=[TOOL], max_tokens=20, stream=True)
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == CALL_TEXT[:20]
-    for episode in episodes:
-        tool_worker.report_episode(episode.episode_uuid, "malformed", 0.5)
-    assert next_step(tool_worker, before)["tool_call_parse_errors"] == 2
-
-
-def test_tool_choice_none_required_named_and_parallel(tool_server: ServerHandle,
-                                                      tool_worker: SwarmClient,
-                                                      tool_tokenizer: Any) -> None:
-    episode = begin(tool_worker)
-    client = oai(episode)
-    question = [{"role": "user", "content": WEATHER_QUESTION}]
-    # none: the tools are not rendered and the reply is not parsed into calls
-    plain = client.chat.completions.create(model="m", messages=question, tools=[TOOL],
-                                           tool_choice="none", max_tokens=8)
-    assert plain.usage.prompt_tokens == rendered(tool_tokenizer, question)
-    assert not plain.choices[0].message.tool_calls
-    named = client.chat.completions.create(
-        model="m", messages=question, tools=[TOOL], max_tokens=96, parallel_tool_calls=False,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
-    assert named.model_extra["ajet"]["tool_choice_unmet"] is False
-    # required, but the model answers in text (the tool result is there): served, marked
-    done = client.chat.completions.create(model="m", messages=history_after_call(),
-                                          tools=[TOOL], tool_choice="required", max_tokens=96)
-    assert done.choices[0].message.content == WEATHER_ANSWER
-    assert done.model_extra["ajet"]["tool_choice_unmet"] is True
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="m", messages=question, tools=[TOOL],
-                                       tool_choice={"type": "function",
-                                                    "function": {"name": "nope"}})
-    assert info.value.body["param"] == "tool_choice"
-    tool_worker.cancel_episode(episode.episode_uuid)
-
-
-REFUSED: list[tuple[str, dict[str, Any]]] = [
-    ("seed", {"seed": 7}),
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("presence_penalty", {"presence_penalty": -1.0}),
-    ("logit_bias", {"logit_bias": {"5": 10}}),
-    ("n", {"n": 2}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
-    ("top_logprobs", {"logprobs": True, "top_logprobs": 2}),
-    ("max_tokens", {"max_tokens": 5000}),
-    ("max_completion_tokens", {"max_completion_tokens": 1025}),
-    ("functions", {"functions": [{"name": "f"}]}),
-    ("frobnicate", {"extra_body": {"frobnicate": True}}),
-]
-
-
-def test_parameters_that_cannot_be_honoured_get_an_openai_400_naming_them(
-        tool_server: ServerHandle, tool_worker: SwarmClient) -> None:
-    episode = begin(tool_worker)
-    client = oai(episode)
-    messages = [{"role": "user", "content": "hi"}]
-    for name, extra in REFUSED:
-        with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="m", messages=messages, **extra)
-        body = info.value.body
-        assert body["param"] == name, (name, body)
-        assert body["type"] == "invalid_request_error" and "hint:" in body["message"]
-    limit = openai.BadRequestError
-    with pytest.raises(limit, match="max_response_length \\(1024\\)"):
-        client.chat.completions.create(model="m", messages=messages, max_tokens=1025)
-    # defaults and harmless metadata are accepted; training ignores sampling asks, and says so
-    ok = client.chat.completions.create(
-        model="any-name", messages=messages, max_tokens=4, n=1, frequency_penalty=0,
-        presence_penalty=0, logit_bias={}, response_format={"type": "text"}, user="u",
-        metadata={"k": "v"}, store=False, service_tier="auto", top_logprobs=0,
-        temperature=0.7, top_p=0.9, stream_options=None)
-    assert ok.model == server_model(tool_server)
-    assert ok.model_extra["ajet"]["episode_type"] == "train"
-    assert ok.model_extra["ajet"]["ignored"] == ["temperature", "top_p"]
-    tool_worker.cancel_episode(episode.episode_uuid)
 
 
 def server_model(tool_server: ServerHandle) -> str:
@@ -225,6 +146,13 @@ def test_models_completions_and_error_shapes(tool_server: ServerHandle,
                       headers={"Authorization": f"Bearer {key}"} if key else {})
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error" and r.json()["hint"]
+    # a parameter the engine refuses, in OpenAI's shape (the server converts the engine's)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       seed=7)
+    assert refused.value.body["param"] == "seed"
+    assert refused.value.body["type"] == "invalid_request_error"
+    assert "hint:" in refused.value.body["message"]
     bad = httpx.post(f"{episodes[0].openai_base_url}/chat/completions", json={"messages": []},
                      headers={"Authorization": f"Bearer {episodes[0].openai_api_key}"})
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "messages"
@@ -320,3 +248,117 @@ def test_an_oversized_chat_is_refused_unread_and_a_big_one_never_stalls_another_
     assert order[0].startswith("small") and order[1] == "big 400", order
     tool_worker.cancel_episode(big.episode_uuid)
     tool_worker.cancel_episode(small.episode_uuid)
+
+
+# ---------------------------------------------------------------------------- Responses
+
+#: TOOL in the Responses API's flat shape
+FUNCTION = {"type": "function", **TOOL["function"]}
+LOGPROBS = ["message.output_text.logprobs"]
+
+
+def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
+        tool_worker: SwarmClient, tool_tokenizer: Any) -> None:
+    before = last_step(tool_worker)
+    episode = begin(tool_worker)
+    client = oai(episode)
+    called = client.responses.create(model="gpt-4.1", instructions=SYSTEM,
+                                     input=WEATHER_QUESTION, tools=[FUNCTION],
+                                     max_output_tokens=96, store=True)
+    assert called.status == "completed" and called.store is False  # nothing is stored
+    call = called.output[0]
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.call_id.startswith("call_") and json.loads(call.arguments) == {"city": "Paris"}
+    question = [{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": WEATHER_QUESTION}]
+    assert called.usage.input_tokens == rendered(tool_tokenizer, question, [TOOL])
+    assert called.usage.output_tokens == len(CALL_TEXT) + 1
+    # the follow-up: the function call and its output as input items
+    items: list[Any] = [{"role": "user", "content": WEATHER_QUESTION},
+                        {"type": "function_call", "call_id": call.call_id,
+                         "name": call.name, "arguments": call.arguments},
+                        {"type": "function_call_output", "call_id": call.call_id,
+                         "output": "sunny, 24 C"}]
+    answer = client.responses.create(model="m", instructions=SYSTEM, input=items,
+                                     tools=[FUNCTION], max_output_tokens=96, include=LOGPROBS)
+    assert answer.output_text == WEATHER_ANSWER and answer.output[0].type == "message"
+    # the same conversation through chat: the same prompt, the same sampled tokens
+    chat = client.chat.completions.create(model="m", tools=[TOOL], max_tokens=96,
+                                          logprobs=True, messages=[
+        *question, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.call_id, "type": "function",
+             "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 24 C"}])
+    assert chat.usage.prompt_tokens == answer.usage.input_tokens
+    assert [t.token for t in chat.choices[0].logprobs.content] == [
+        t.token for t in answer.output[0].content[0].logprobs]
+
+    # streaming, with the events clients read
+    second = begin(tool_worker)
+    events = list(oai(second).responses.create(model="m", instructions=SYSTEM,
+                                               input=WEATHER_QUESTION, tools=[FUNCTION],
+                                               max_output_tokens=96, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    for kind in ("response.output_item.added", "response.function_call_arguments.delta",
+                 "response.output_item.done"):
+        assert kind in kinds, kinds
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert json.loads(args) == {"city": "Paris"}
+    assert events[-1].response.output[0].name == "get_weather"
+    text = list(oai(second).responses.create(model="m", instructions=SYSTEM, input=items,
+                                             max_output_tokens=96, stream=True))
+    assert "".join(e.delta for e in text if e.type == "response.output_text.delta") == \
+        WEATHER_ANSWER
+    incomplete = client.responses.create(model="m", input="hi", max_output_tokens=2)
+    assert incomplete.status == "incomplete"
+    assert incomplete.incomplete_details.reason == "max_output_tokens"
+
+    tool_worker.report_episode(episode.episode_uuid, "responses", 1.0)
+    tool_worker.report_episode(second.episode_uuid, "responses-stream", 0.0)
+    line = next_step(tool_worker, before)
+    assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0
+
+
+def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
+        tool_worker: SwarmClient) -> None:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    before = last_step(tool_worker)
+    set_tracing_disabled(True)  # else traces, with the episode key, go to OpenAI
+    agent_episode = begin(tool_worker)
+    agent = Agent(
+        name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
+        model=OpenAIResponsesModel(model="ajet", openai_client=openai.AsyncOpenAI(
+            base_url=agent_episode.openai_base_url, api_key=agent_episode.openai_api_key,
+            max_retries=0)),
+        model_settings=ModelSettings(max_tokens=96))
+    CALLS.clear()
+    result = Runner.run_sync(agent, WEATHER_QUESTION)
+    assert CALLS == ["Paris"] and result.final_output == WEATHER_ANSWER
+
+    lc_episode = begin(tool_worker)
+    llm = ChatOpenAI(base_url=lc_episode.openai_base_url, api_key=lc_episode.openai_api_key,
+                     model="ajet", max_tokens=96, max_retries=0,
+                     use_responses_api=True).bind_tools([get_weather])
+    history = [SystemMessage(SYSTEM), HumanMessage(WEATHER_QUESTION)]
+    called = llm.invoke(history)
+    assert called.tool_calls[0]["name"] == "get_weather"
+    assert called.tool_calls[0]["args"] == {"city": "Paris"}
+    history += [called, ToolMessage("sunny, 24 C", tool_call_id=called.tool_calls[0]["id"])]
+    answer = llm.invoke(history)
+    assert answer.text == WEATHER_ANSWER and not answer.tool_calls
+
+    tool_worker.report_episode(agent_episode.episode_uuid, "agents-responses", 1.0)
+    tool_worker.report_episode(lc_episode.episode_uuid, "langchain-responses", 1.0)
+    line = next_step(tool_worker, before)
+    assert line["episodes"] == 2 and line["tool_call_parse_errors"] == 0

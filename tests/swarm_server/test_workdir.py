@@ -19,7 +19,7 @@ from ajet.protocol import EngineState
 from swarm_server.ledger import Ledger
 from swarm_server.workdir import SERVER_OWNED
 from tests.support import make_ajet_repo, start_server
-from tests.swarm_server.fake_engine import server_env
+from tests.support.fake_engine import server_env
 
 
 def open_entries(workdir: Path) -> dict[str, str]:

@@ -29,6 +29,14 @@ slack (`MemoryPlan.slack_share`). The job fits when the peak is
 within the memory available (`detect_available`): the visible GPUs' memory from
 `nvidia-smi`, else the job's `gpu_memory_gb`; for `n_gpu: 0` the host's memory shared
 by the node's processes. A plan that does not fit names the smallest changes that do.
+
+GPU jobs also need host memory, per node (`host_terms`): each process's runtime (torch,
+the CUDA and NCCL host side), the checkpoint's files while the ranks load them (the page
+cache: one copy per node, as every rank reads the same memory-mapped files straight
+onto its GPU), and on rank 0's node the full weights a checkpoint gathers there. A job
+whose node needs more than the host has (`detect_host`: the machine's memory or the
+container's limit, or `AJET_ENGINE_HOST_MEMORY_GB` where the config is checked on another
+machine than the GPU nodes) does not fit either, and the refusal says so with the numbers.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ __all__ = [
     "ModelShape",
     "Term",
     "detect_available",
+    "detect_host",
     "model_shape",
     "plan_job",
     "plan_memory",
@@ -108,6 +117,13 @@ _CB_DEFAULT_BATCH_TOKENS = 8192
 #: the scaled fp32 logits, their log-softmax, and its exp and product for the entropy;
 #: in backward the log-softmax, the gathered gradient and the log-softmax gradient.
 _LOGIT_COPIES = 4
+#: Host memory of one GPU process outside its tensors: torch and CUDA's libraries, the
+#: CUDA context's host side, NCCL's host buffers, Python (1.5-2.5 GiB measured on H100
+#: hosts with torch 2.x; the upper end).
+_HOST_PER_GPU_PROCESS = 5 * GiB // 2
+#: Environment override of the host memory the planner assumes (GiB).
+HOST_MEMORY_ENV = "AJET_ENGINE_HOST_MEMORY_GB"
+_HOST_PHASES = ("boot", "checkpoint save")
 #: Candidates for "more GPUs" (per node), and nodes of 8 GPUs after that.
 _GPU_COUNTS = (2, 4, 8)
 _GPUS_PER_NODE = 8
@@ -394,6 +410,19 @@ def _host_memory() -> tuple[int, str]:
     return total, source
 
 
+def detect_host() -> Available:
+    """The memory of one node's host: `AJET_ENGINE_HOST_MEMORY_GB` when set (a config checked
+    away from the GPU nodes), else this machine's (or its container's limit)."""
+    value = os.environ.get(HOST_MEMORY_ENV)
+    if value:
+        try:
+            return Available(int(float(value) * GiB), f"{HOST_MEMORY_ENV}={value}")
+        except ValueError:
+            log.warning("%s=%r is not a number of GiB; measuring the host", HOST_MEMORY_ENV,
+                        value)
+    return Available(*_host_memory())
+
+
 def detect_available(job: JobView, *, smi_timeout_s: float = 10.0,
                      gpu_totals: Callable[[float], list[int] | None] = _nvidia_smi_totals
                      ) -> Available:
@@ -459,6 +488,20 @@ class MemoryPlan:
     cache: CachePlan | None = None
     cache_error: str | None = None
     fixes: list[Fix] = field(default_factory=list)
+    #: GPU jobs: host memory per node (the busiest node, rank 0's), and what a node has
+    host_terms: list[Term] = field(default_factory=list)
+    host_available: Available | None = None
+
+    def host_phase_bytes(self, phase: str) -> int:
+        return sum(t.bytes for t in self.host_terms if phase in t.phases)
+
+    @property
+    def host_bytes(self) -> int:
+        return max((self.host_phase_bytes(p) for p in _HOST_PHASES), default=0)
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_available is None or self.host_bytes <= self.host_available.bytes
 
     @property
     def slack_share(self) -> float:
@@ -490,8 +533,12 @@ class MemoryPlan:
         return self.phase_bytes(self.peak_phase)
 
     @property
-    def fits(self) -> bool:
+    def device_fits(self) -> bool:
         return self.cache_error is None and self.peak_bytes <= self.available.bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.device_fits and self.host_fits
 
     def comparable_bytes(self, phase: str | None = None, *, first_rollout: bool = False
                          ) -> int:
@@ -518,17 +565,23 @@ class MemoryPlan:
         j = self.job
         where = (f"{j.world_size} GPU(s) ({j.n_gpu} per node x {j.nnodes} node(s))"
                  if j.on_gpu else f"CPU, {j.world_size} process(es)")
-        training = f"LoRA rank {j.lora_rank}" if j.lora_rank > 0 else "full fine-tuning"
-        sharding = "FSDP2" if j.sharded else "one process"
-        precision = "bf16 compute over fp32 masters" if j.on_gpu else "fp32"
+        lora = j.lora_rank > 0
+        training = f"LoRA rank {j.lora_rank}" if lora else "full fine-tuning"
+        sharding = ("one process" if not j.sharded else
+                    "the base replicated on every rank" if lora else "FSDP2")
+        precision = ("fp32" if not j.on_gpu else
+                     "bf16 base, fp32 adapters" if lora else "bf16 compute over fp32 masters")
         return (f"{training}, {where}, {sharding}, {precision}, activation checkpointing "
                 f"{'on' if j.checkpointing else 'off'}, micro-batches of {self.micro_tokens} "
                 "tokens")
 
     def summary(self) -> str:
         verdict = "fits" if self.fits else "does NOT fit"
+        host = (f"; host ~{_size(self.host_bytes)} per node of "
+                f"{self.host_available.describe()}"
+                if self.host_terms and self.host_available is not None else "")
         return (f"memory plan: {verdict}: peak ~{_size(self.peak_bytes)} per {self.unit} "
-                f"({self.peak_phase}) of {self.available.describe()}")
+                f"({self.peak_phase}) of {self.available.describe()}{host}")
 
     def render(self) -> str:
         """The estimate term by term, as the refusal and the boot log show it."""
@@ -550,13 +603,28 @@ class MemoryPlan:
             lines.append(f"KV cache: {self.cache_error}")
         short = self.peak_bytes - self.available.bytes
         lines.append(f"available: {self.available.describe()}; "
-                     + ("fits" if self.fits else f"short by {_size(short)}" if short > 0
-                        else "the KV cache does not fit"))
+                     + ("fits" if self.device_fits else f"short by {_size(short)}"
+                        if short > 0 else "the KV cache does not fit"))
+        if self.host_terms:
+            lines.append("host memory per node (rank 0's):")
+            hw = max(len(t.name) for t in self.host_terms)
+            for t in self.host_terms:
+                lines.append(f"  {t.name:<{hw}}  {_size(t.bytes):>10}  ({', '.join(t.phases)})")
+            for phase in _HOST_PHASES:
+                lines.append(f"  {'= ' + phase:<{hw}}  {_size(self.host_phase_bytes(phase)):>10}")
+            if self.host_available is not None:
+                over = self.host_bytes - self.host_available.bytes
+                lines.append(f"host available: {self.host_available.describe()}; "
+                             + ("fits" if over <= 0 else f"short by {_size(over)}"))
         return "\n".join(lines)
 
     def hint(self) -> str:
         if self.fits:
             return ""
+        if self.device_fits:  # only the host is short
+            return (f"the GPUs fit, the host does not ({_size(self.host_bytes)} per node): "
+                    "fewer GPUs per node (n_gpu, more nnodes), or a host with more memory; "
+                    f"{HOST_MEMORY_ENV} if this machine is not a GPU node")
         if not self.fixes:
             return ("no single change of n_gpu, lora_rank, micro_batch_tokens, "
                     "activation_checkpointing or gpu_memory_utilization fits; use a smaller "
@@ -580,6 +648,10 @@ class MemoryPlan:
             "available_source": self.available.source,
             "kv_cache_tokens": self.cache.tokens if self.cache is not None else None,
             "kv_cache_error": self.cache_error,
+            "host_gib": round(self.host_bytes / GiB, 3) if self.host_terms else None,
+            "host_available_gib": round(self.host_available.bytes / GiB, 3)
+            if self.host_available is not None and self.host_terms else None,
+            "host_terms_gib": {t.name: round(t.bytes / GiB, 4) for t in self.host_terms},
             "fixes": [{"changes": f.changes, "peak_gib": round(f.peak_bytes / GiB, 3)}
                       for f in self.fixes],
         }
@@ -615,33 +687,36 @@ def _activation_bytes_per_token(shape: ModelShape, mode: str, *, checkpointing: 
 
 
 def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
-                backend: BackendDefaults | None = None, with_fixes: bool = True) -> MemoryPlan:
+                backend: BackendDefaults | None = None, with_fixes: bool = True,
+                host: Available | None = None) -> MemoryPlan:
     """The estimate for `job` on `shape`, per GPU (or per CPU process); see the module doc."""
     backend = backend or BackendDefaults()
-    world = job.world_size
-    sharded = job.sharded
-    p = shape.parameters
     lora = job.lora_rank > 0
+    # LoRA trains fp32 adapters on the generation model's frozen base, replicated on
+    # every rank, never sharded (training_model.py); FSDP2 shards full fine-tuning only
+    sharded = job.sharded and not lora
+    world = job.world_size if sharded else 1
+    p = shape.parameters
     adapters = shape.lora_parameters(job.lora_rank, job.lora_target_modules) if lora else 0
     trainable = adapters if lora else p
     compute = 2 if job.on_gpu else _FP32  # bf16 on GPUs, fp32 on CPU
-    mode = "fp32" if not job.on_gpu else ("bf16" if sharded else "autocast")
-    # one CPU process trains the generation model itself (training_model.py: `shared`)
-    shared = not sharded and not job.on_gpu
+    mode = "fp32" if not job.on_gpu else ("bf16" if sharded or lora else "autocast")
+    # one CPU process, and LoRA anywhere, train the generation model itself (`shared`)
+    shared = lora or (not sharded and not job.on_gpu)
 
     def per_rank(n: int) -> int:
         return math.ceil(n / world)
 
-    terms = [Term(f"generation copy ({'bf16' if compute == 2 else 'fp32'})",
-                  (p + adapters) * compute, "model", _ALL)]
+    if lora:
+        terms = [Term(f"model: frozen base ({'bf16' if compute == 2 else 'fp32'}, shared by "
+                      "generation and training) + fp32 adapters",
+                      p * compute + adapters * _FP32, "model", _ALL)]
+    else:
+        terms = [Term(f"generation copy ({'bf16' if compute == 2 else 'fp32'})",
+                      p * compute, "model", _ALL)]
     if not shared:
         terms.append(Term("trained weights (fp32 masters" + (", sharded)" if sharded else ")"),
                           per_rank((p + adapters) * _FP32), "state", _ALL))
-    if sharded and not job.on_gpu:
-        # each rank reads the whole checkpoint in fp32 before fully_shard keeps its slice;
-        # on GPUs that copy is in host memory, not on the device
-        terms.append(Term("full fp32 copy before sharding", (p + adapters) * _FP32,
-                          "transient", ("boot",)))
     terms.append(Term("AdamW moments (fp32" + (", sharded)" if sharded else ")"),
                       per_rank(trainable * 2 * _FP32), "state", _TRAINING, steady=True))
     if job.kl_coef > 0 and not lora:
@@ -649,7 +724,7 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                           per_rank(p * compute), "state", _ALL))
 
     # --- the micro-batch: the token budget, unless a step never gathers that many
-    groups = math.ceil(math.ceil(job.batch_size / max(1, job.mini_batch_num)) / world)
+    groups = math.ceil(math.ceil(job.batch_size / max(1, job.mini_batch_num)) / job.world_size)
     rank_tokens = groups * job.num_repeat * job.sample_tokens
     micro = min(max(job.micro_batch_tokens, job.sample_tokens), rank_tokens)
     response_share = job.max_response_length / job.sample_tokens
@@ -678,11 +753,10 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                           ("backward",)))
     terms.append(Term(f"log-prob chunk ({chunk} x {shape.vocab_size} fp32 logits)",
                       _LOGIT_COPIES * chunk * shape.vocab_size * _FP32, "transient", _UPDATE))
-    if job.on_gpu and not sharded:
-        # autocast caches a bf16 copy of every trainable weight for the forward; frozen
-        # (LoRA) weights are cast per use and kept for backward unless checkpointed
-        casts = 2 * p if not (lora and job.checkpointing) else 2 * shape.layer_parameters
-        terms.append(Term("bf16 weight casts (autocast)", casts, "transient", _UPDATE))
+    if job.on_gpu and not sharded and not lora:
+        # autocast caches a bf16 copy of every trainable weight for the forward (LoRA's
+        # base is bf16 already and its adapters compute in fp32: no casts)
+        terms.append(Term("bf16 weight casts (autocast)", 2 * p, "transient", _UPDATE))
     if sharded:
         # FSDP2: the root unit (embeddings, head) stays gathered from forward to
         # backward, two decoder layers are gathered at a time (prefetch); in backward the
@@ -717,17 +791,39 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
     terms.append(Term("AdamW step temporaries", step_temp, "transient", ("optimizer step",)))
 
     if job.on_gpu:
-        terms.append(Term("CUDA context" + (" and NCCL buffers" if sharded else ""),
-                          _CUDA_CONTEXT + (_NCCL_BUFFERS if sharded else 0), "runtime", _ALL))
+        several = job.world_size > 1
+        terms.append(Term("CUDA context" + (" and NCCL buffers" if several else ""),
+                          _CUDA_CONTEXT + (_NCCL_BUFFERS if several else 0), "runtime", _ALL))
     else:
         terms.append(Term("torch kernels and autograd (CPU, from the first update)",
                           _CPU_RUNTIME, "runtime", _TRAINING, steady=True))
     plan = MemoryPlan(job=job, shape=shape, available=available, terms=terms,
-                      micro_tokens=micro, chunk_positions=chunk)
+                      micro_tokens=micro, chunk_positions=chunk,
+                      host_terms=_host_terms(job, shape, adapters) if job.on_gpu else [],
+                      host_available=host)
     _add_generation_terms(plan, compute, backend)
     if with_fixes and not plan.fits:
         plan.fixes = _fixes(job, shape, available, backend)
     return plan
+
+
+def _host_terms(job: JobView, shape: ModelShape, adapters: int) -> list[Term]:
+    """Host memory of the busiest node (rank 0's) of a GPU job."""
+    p = shape.parameters
+    lora = job.lora_rank > 0
+    return [
+        Term(f"process runtime ({job.procs_per_node} x {_size(_HOST_PER_GPU_PROCESS)})",
+             job.procs_per_node * _HOST_PER_GPU_PROCESS, "runtime", _HOST_PHASES),
+        # every rank reads the same memory-mapped files onto its GPU (policy.load_policy);
+        # FSDP2's trained copy is filled from that copy, on the device
+        Term("checkpoint files while loading (page cache, one copy per node)", 2 * p,
+             "transient", ("boot",)),
+        # save_checkpoint gathers the full state on rank 0's host (Dist.full_state_dict)
+        Term("checkpoint gathered on rank 0 (" + ("bf16 base + fp32 adapters)" if lora
+                                                 else "fp32 masters)"),
+             2 * p + _FP32 * adapters if lora else _FP32 * p, "transient",
+             ("checkpoint save",)),
+    ]
 
 
 def _add_generation_terms(plan: MemoryPlan, compute: int, backend: BackendDefaults) -> None:
@@ -821,7 +917,7 @@ def _fixes(job: JobView, shape: ModelShape, available: Available,
     def attempt(text: str, **changes: Any) -> Fix | None:
         changed = dataclasses.replace(job, **changes)
         plan = plan_memory(changed, shape, available, backend=backend, with_fixes=False)
-        if not plan.fits:
+        if not plan.device_fits:
             return None
         return Fix(changes, plan.peak_bytes,
                    f"{text}: ~{_size(plan.peak_bytes)} per {plan.unit}")
@@ -880,4 +976,5 @@ def plan_job(job: Any, *, available: Available | None = None) -> MemoryPlan | No
     shape = model_shape(view.model)
     if shape is None:
         return None
-    return plan_memory(view, shape, available or detect_available(view))
+    return plan_memory(view, shape, available or detect_available(view),
+                       host=detect_host() if view.on_gpu else None)

@@ -17,20 +17,20 @@ import httpx
 import pytest
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.transport.unix_server import ChannelServer
-from ajet.engine.plane.app import create_channel_app
-from ajet.engine.plane.episode_plane import EpisodePlane
 from ajet.engine.config import engine_config_from_job
-from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationRefused,
     GenerationRequest,
 )
+from ajet.engine.plane.app import create_channel_app
+from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.policy import load_policy
 from ajet.engine.tiny import ensure_tiny_model
+from ajet.engine.transport.unix_server import ChannelServer
 from ajet.protocol import EngineState
-from tests.ajet.engine.engine_support import StubGenerator
+from tests.support.engine import StubGenerator
 
 
 class HoldingGenerator(StubGenerator):

@@ -8,7 +8,7 @@ import pytest
 from ajet.errors import SwarmAuthError
 from ajet.engine.plane.episodes import CLIENT_ACTIVE_TIMEOUT_S, EpisodeRegistry
 from ajet.protocol import EngineState
-from tests.ajet.engine.test_episodes import FakeClock
+from tests.support.engine import FakeClock
 
 
 def make(method: str, *, batch_size: int = 2, group_size: int = 2

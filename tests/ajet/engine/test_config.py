@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.config import BackendDefaults, engine_config_from_job, load_engine_config
+from ajet.copilot.model_defaults import resolve_job
+from ajet.engine.config import BackendDefaults, engine_config_from_job
+from ajet.engine.runtime import load_engine_config
 
 
 def test_cpu_job_gets_fp32_and_slots_for_one_batch() -> None:
@@ -58,10 +62,32 @@ def test_scale_fields_reach_the_engine_config_with_their_defaults() -> None:
     assert forced.lora_target_modules == ("q_proj", "v_proj")
 
 
-def test_lora_gets_ten_times_the_default_lr_unless_lr_is_given() -> None:
-    assert AgentJetJob(lora_rank=8).lr == pytest.approx(10 * AgentJetJob().lr)
-    assert AgentJetJob(lora_rank=8, lr=5e-5).lr == 5e-5  # (the original refuses <= 1e-5)
-    job = AgentJetJob(lora_rank=8)
-    assert AgentJetJob.from_yaml(job.to_yaml()).lr == job.lr  # resolved once, in the YAML
+def test_lora_gets_an_adapter_rate_unless_lr_is_given() -> None:
+    job, notes = resolve_job(AgentJetJob(lora_rank=8))
+    assert job.lr == 3e-2 and "lm_head" in job.lora_target_modules  # ajet-tiny's
+    assert {n["field"] for n in notes} >= {"lr", "lora_target_modules"}
+    assert resolve_job(AgentJetJob(lora_rank=8, lr=5e-5))[0].lr == 5e-5
+    with pytest.raises(ValueError, match="greater than 1e-5"):  # the original's floor
+        AgentJetJob(lora_rank=8, lr=1e-5)
+    again, notes = resolve_job(job)  # chosen again at every check: the same values
+    assert again == job and {n["field"] for n in notes} == set(job.defaults_chosen)
+    assert AgentJetJob.from_yaml(job.to_yaml()) == job
     with pytest.raises(ValueError, match="activation_checkpointing"):
         AgentJetJob.from_yaml("activation_checkpointing: sometimes\n")
+
+
+def test_a_stored_config_gets_the_new_models_defaults_when_its_model_changes() -> None:
+    """The MCP bridge merges changes into the stored (resolved) config: the values the
+    server chose for the old model must not pass for the user's own."""
+    qwen = str(Path(__file__).parent / "models" / "Qwen2.5-7B-Instruct")
+    stored, _ = resolve_job(AgentJetJob(model=qwen))
+    assert stored.lr == 1e-6 and "lr" in stored.defaults_chosen
+    assert stored.boot_timeout_s is not None
+    back = AgentJetJob.from_yaml(stored.to_yaml())
+    back.model = "ajet-tiny"
+    tiny, _ = resolve_job(back)
+    assert (tiny.lr, tiny.max_new_tokens, tiny.save_every) == (3e-3, 16, 0)
+    assert tiny.boot_timeout_s is None  # the server's own again
+    mine = AgentJetJob.from_yaml(stored.to_yaml())
+    mine.lr = 2e-6  # set by the user: kept, and no longer the server's choice
+    assert "lr" not in mine.defaults_chosen and resolve_job(mine)[0].lr == 2e-6

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from ajet.copilot.job import AgentJetJob
 from ajet.engine.metrics import REQUIRED_FIELDS
-from tests.ajet.engine.engine_support import EngineHandle, spawn_engine, wait_for_state
 from tests.support import PROJECT_ROOT
+from tests.support.engine import EngineHandle, spawn_engine, wait_for_state
 
 JOB = AgentJetJob(batch_size=1, num_repeat=2, max_new_tokens=8, save_every=1,
                   episode_timeout_s=60.0)

@@ -16,14 +16,7 @@ from ajet.errors import EngineStateConflict, SwarmHTTPError, SwarmNotFound
 from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.trajectory import Completion
 from ajet.protocol import EngineState
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.engine import FakeClock
 
 
 def make(group_size: int = 2, max_in_flight: int = 100, timeout: float = 10.0

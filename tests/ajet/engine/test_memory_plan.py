@@ -286,3 +286,47 @@ def test_a_job_whose_model_has_no_config_json_here_is_not_planned(tmp_path: Path
     (tmp_path / "broken" / "config.json").write_text('{"model_type": "qwen2"}')
     with pytest.raises(ValueError, match="hidden_size"):
         plan_job(AgentJetJob(model=str(tmp_path / "broken")))
+
+
+# ---------------------------------------------------------------------------- LoRA and the host
+
+
+def test_lora_holds_one_bf16_base_shared_by_training_and_generation() -> None:
+    shape = model_shape(str(QWEN_7B))
+    assert shape is not None
+    job = JobView.from_job(AgentJetJob(**HEADLINE, n_gpu=1, lora_rank=16))
+    plan = plan_memory(job, shape, H100)
+    terms = {t.name: t.bytes for t in plan.terms}
+    adapters = shape.lora_parameters(16, "all-linear")
+    (model,) = [b for n, b in terms.items() if n.startswith("model: frozen base (bf16")]
+    assert model == 2 * shape.parameters + 4 * adapters  # no fp32 copy of the base
+    assert not any(n.startswith(("trained weights", "generation copy", "bf16 weight casts"))
+                   for n in terms)
+    assert terms["AdamW moments (fp32)"] == 8 * adapters
+    assert plan.fits and plan.peak_bytes < 45 * 2**30  # was 69 GiB with the fp32 copy
+    eight = plan_memory(JobView.from_job(AgentJetJob(**HEADLINE, n_gpu=8, lora_rank=16)),
+                        shape, H100)
+    assert "the base replicated on every rank" in eight.setup()
+    assert not any("FSDP2" in t.name for t in eight.terms)  # never sharded
+
+
+def test_a_node_without_the_host_memory_is_refused_with_the_numbers() -> None:
+    shape = model_shape(str(QWEN_7B))
+    assert shape is not None
+    job = JobView.from_job(AgentJetJob(**HEADLINE, n_gpu=8))
+    small = plan_memory(job, shape, H100, host=Available(32 * 2**30, "test: a small host"))
+    assert small.device_fits and not small.fits
+    host = {t.name: t.bytes for t in small.host_terms}
+    assert host["checkpoint gathered on rank 0 (fp32 masters)"] == 4 * shape.parameters
+    # one copy of the checkpoint per node while loading, not one per rank
+    assert host["checkpoint files while loading (page cache, one copy per node)"] == \
+        2 * shape.parameters
+    text = small.render()
+    assert "host available: 32.00 GiB (test: a small host); short by" in text
+    assert "the GPUs fit, the host does not" in small.hint()
+    assert small.to_dict()["host_gib"] == pytest.approx(small.host_bytes / 2**30, abs=1e-3)
+    big = plan_memory(job, shape, H100, host=Available(1024 * 2**30, "test: a GPU node"))
+    assert big.fits and big.host_bytes < 64 * 2**30  # was 8 x 30 GiB of fp32 copies
+    cpu = plan_memory(JobView.from_job(AgentJetJob()), model_shape("ajet-tiny"),
+                      Available(2**34, "test"), host=Available(1, "test: no host"))
+    assert cpu.host_terms == [] and cpu.fits  # a CPU job's host is its device, planned above

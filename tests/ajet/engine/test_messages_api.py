@@ -26,7 +26,7 @@ from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.plane.messages_api import anthropic_messages_to_chat
 from ajet.engine.tiny import ensure_tiny_model
 from ajet.protocol import EngineState
-from tests.ajet.engine.engine_support import ScriptedGenerator
+from tests.support.engine import ScriptedGenerator
 
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 WEATHER = {"name": "get_weather", "description": "Get the weather of a city.",

@@ -23,7 +23,7 @@ from ajet.engine.generation.interface import (
     GenerationResult,
 )
 from ajet.engine.generation.ranks import RankRouter, RankService, RemoteGenerator
-from tests.ajet.engine.engine_support import StubGenerator
+from tests.support.engine import StubGenerator
 
 
 class EchoGenerator(StubGenerator):

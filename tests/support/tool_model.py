@@ -183,7 +183,8 @@ def _finetune(target: Path, *, steps: int, lr: float, batch: int, seed: int) -> 
     steps = step
     model.eval()
     model.save_pretrained(target)
-    (target / "finetuned.json").write_text(json.dumps({"steps": steps, "loss": float(loss.detach())}))
+    (target / "finetuned.json").write_text(
+        json.dumps({"steps": steps, "loss": float(loss.detach())}))
     return target
 
 

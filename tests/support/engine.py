@@ -1,5 +1,6 @@
-"""Start a real `python -m ajet.engine` subprocess with the contract's command line; and
-generators without a model (`StubGenerator`, `ScriptedGenerator`) for in-process tests."""
+"""Engine test support: a real `python -m ajet.engine` subprocess, and generators without a
+model for in-process tests of the episode plane.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +25,17 @@ from ajet.engine.generation.interface import (
     Generator,
     ReplyText,
 )
-from tests.support import PROJECT_ROOT
+from tests.support.servers import PROJECT_ROOT
+
+__all__ = [
+    "SCRIPTED_LOGPROB",
+    "EngineHandle",
+    "FakeClock",
+    "ScriptedGenerator",
+    "StubGenerator",
+    "spawn_engine",
+    "wait_for_state",
+]
 
 
 @dataclass
@@ -50,8 +61,8 @@ class EngineHandle:
         return int(self.proc.returncode)
 
 
-def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
-                 ) -> EngineHandle:
+def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run",
+                 extra_args: tuple[str, ...] = ()) -> EngineHandle:
     """Spawn the engine like the server does (own session, log file, cwd = run dir).
 
     `job` may be raw YAML text, to test what the engine does with a bad one.
@@ -68,7 +79,7 @@ def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
         proc = subprocess.Popen(
             [sys.executable, "-m", "ajet.engine", "--config", str(run_dir / "job.yaml"),
              "--run-dir", str(run_dir), "--socket", str(socket), "--run-id", run_id,
-             "--workdir", str(root)],
+             "--workdir", str(root), *extra_args],
             cwd=run_dir, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True)
     client = httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)),
@@ -105,13 +116,29 @@ class StubGenerator(Generator):
     def resume(self) -> None: ...
 
 
+class FakeClock:
+    """A clock the test moves by hand (`clock.now += 5`), for the registry's timeouts."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+#: the log-prob `ScriptedGenerator` gives every token it "samples"
+SCRIPTED_LOGPROB = -0.5
+
+
 class ScriptedGenerator(StubGenerator):
     """Replies with scripted text, one token per step, as a backend does: each token is
     streamed through `ReplyText` (stop strings, held-back deltas), the reply ends at the
     end-of-turn token, a stop string or `max_new_tokens`, with a log-prob per token.
 
     `replies` is the queue of texts to answer with (then `default`), `requests` what was
-    submitted; `delay_s` waits before the first token, `max_positions` is the context. A reply is generated on a thread of its own, like a backend's loop.
+    submitted; `delay_s` waits before the first token, `max_positions` is the context. A
+    reply is generated on a thread of its own, like a backend's loop; each token gets
+    `SCRIPTED_LOGPROB`.
     """
 
     def __init__(self, tokenizer: Any, *, eos_id: int, default: str = "Hello.") -> None:
@@ -157,5 +184,13 @@ class ScriptedGenerator(StubGenerator):
             handle.delta(delta + reply.update(ids, done=True))
             break
         handle.finish(GenerationResult(prompt_ids=list(request.prompt_ids), response_ids=ids,
-                                       logprobs=[-0.5] * len(ids), text=reply.text,
+                                       logprobs=[SCRIPTED_LOGPROB] * len(ids), text=reply.text,
                                        finish_reason=done))
+
+    def say(self, *replies: str) -> None:
+        """Queue the next replies."""
+        self.replies.extend(replies)
+
+    @property
+    def end_of_turn(self) -> int:
+        return self.eos_id

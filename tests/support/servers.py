@@ -1,7 +1,11 @@
-"""Test support: real swarm servers on free loopback ports, real git repos in temp dirs.
+"""Real swarm server subprocesses on free loopback ports, real git repos in temp dirs.
 
-Every server a test needs is started here as a real `python -m swarm_server start`
-subprocess and stopped (its whole process group) when the test ends.
+`start_server` runs `python -m swarm_server start` and stops it (its whole process group)
+when the test is done with it: for tests about the process (the command line, signals,
+crashes, real sockets and their limits, clients in other processes). Tests that only call
+routes use the app in process (`tests.support.app`); both handles offer `http` (an
+`httpx.Client` on the server) and `client(token)` (a `SwarmClient`), so a test reads the
+same on either. Tests get both through the `server_factory` fixture (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -24,7 +29,7 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import EngineState, EngineStatus
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 CONTROL_TOKEN = "test-control-token"
 WORKER_TOKEN = "test-worker-token"
@@ -49,6 +54,25 @@ class ServerHandle:
     proc: subprocess.Popen[bytes]
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
+    _http: httpx.Client | None = field(default=None, repr=False)
+
+    @property
+    def http(self) -> httpx.Client:
+        """An `httpx.Client` on this server (relative paths: `srv.http.get("/health")`)."""
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.url, timeout=60.0)
+        return self._http
+
+    def http_as(self, token: str | None) -> httpx.Client:
+        """A new `httpx.Client` on this server that sends `token` as its bearer token
+        (None: no token; each request may send its own)."""
+        return httpx.Client(base_url=self.url, timeout=60.0,
+                            headers={"Authorization": f"Bearer {token}"} if token else {})
+
+    def client(self, token: str | None = None, **kwargs: Any) -> SwarmClient:
+        """A `SwarmClient` on this server; `token` as SwarmClient takes it (None: from the
+        environment, as `SwarmClient(url)` would)."""
+        return SwarmClient(self.url, token=token, **kwargs)
 
     def log(self) -> str:
         return self.log_path.read_text("utf-8", errors="replace")
@@ -60,6 +84,9 @@ class ServerHandle:
             self.proc.wait(timeout=30)
 
     def stop(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -130,13 +157,19 @@ def make_ajet_repo(root: Path, *, source: Path = PROJECT_ROOT / "ajet") -> Path:
     return root
 
 
-def wait_status(url: str, *states: EngineState, headers: dict[str, str] | None = None,
-                timeout: float = 60.0) -> EngineStatus:
-    """Poll `GET /get_engine_status` until the engine is in one of `states`."""
+def wait_status(server: str | httpx.Client, *states: EngineState,
+                headers: dict[str, str] | None = None, timeout: float = 60.0) -> EngineStatus:
+    """Poll `GET /get_engine_status` until the engine is in one of `states`.
+
+    `server` is a base URL or an `httpx.Client` on the server (a handle's `http`).
+    """
     deadline = time.monotonic() + timeout
     while True:
-        status = EngineStatus.model_validate(
-            httpx.get(f"{url}/get_engine_status", headers=headers, timeout=30).json())
+        if isinstance(server, str):
+            answer = httpx.get(f"{server}/get_engine_status", headers=headers, timeout=30)
+        else:
+            answer = server.get("/get_engine_status", headers=headers)
+        status = EngineStatus.model_validate(answer.json())
         if status.state in states:
             return status
         if time.monotonic() > deadline:

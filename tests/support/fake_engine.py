@@ -4,7 +4,7 @@ It implements the engine process contract of docs/internals.md without torch: pa
 `--config --run-dir --socket --run-id --workdir`, serves `GET /status` (an
 `EngineReport` in ENGINE.ROLLING with `ajet.__file__`) over HTTP on the Unix socket, and
 exits 0 on SIGTERM. Point a server at it with
-`AJET_SWARM_ENGINE_MODULE=tests.swarm_server.fake_engine` (see `server_env`).
+`AJET_SWARM_ENGINE_MODULE=tests.support.fake_engine` (see `server_env`).
 
 What it does is read at boot from `<workdir>/fake_engine.json` (see `set_behaviour`):
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-MODULE = "tests.swarm_server.fake_engine"
+MODULE = "tests.support.fake_engine"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 BEHAVIOUR_FILE = "fake_engine.json"
 PIDS_FILE = "fake_engine_pids.txt"
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     for name in ("--config", "--run-dir", "--socket", "--run-id", "--workdir"):
         p.add_argument(name, required=True)
+    p.add_argument("--resume", default=None)  # a checkpoint the fake does not read
     args = p.parse_args(argv)
     run_dir, workdir, socket_path = Path(args.run_dir), Path(args.workdir), Path(args.socket)
     behaviour = _load_behaviour(workdir)

@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 
 from ajet.protocol import EngineState, EngineStatus
-from tests.hostile import snapshot_dirs
-from tests.support import wait_gone, wait_status
+from tests.support.hostile import snapshot_dirs
+from tests.support.servers import wait_gone, wait_status
 
 __all__ = ["assert_consistent", "assert_no_orphans", "assert_store_whole", "wait_gone",
            "wait_status"]

@@ -3,7 +3,7 @@
 Every value drawn is hostile *by construction* (the attack is chosen first, then
 dressed in random honest-looking content), so a test can demand a 4xx for each one
 without asking the server's own rules which inputs are bad. Sizes are chosen against
-`tests.hostile.HOSTILE_LIMITS` (20 files, 1 MiB per file, 4 MiB in all, ratio 100).
+`tests.support.hostile.HOSTILE_LIMITS` (20 files, 1 MiB per file, 4 MiB in all, ratio 100).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from tests.hostile import blob_record, central_entries, manifest_entry, patch
+from tests.support.hostile import blob_record, central_entries, manifest_entry, patch
 
 __all__ = ["hostile_blob_streams", "hostile_manifests", "hostile_names", "hostile_zips"]
 

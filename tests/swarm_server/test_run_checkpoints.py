@@ -1,0 +1,114 @@
+"""A run's checkpoints on the server: stop grace and boot deadline by job, a stop that
+finds a save in progress, the last complete checkpoint in the record, and `resume_from`
+(run id, `latest`, path) turned into the engine's `--resume` with the chain recorded."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ajet.protocol import EngineState
+from ajet.errors import SwarmValidationError
+from swarm_server.engine import run_limits
+from swarm_server.run_checkpoints import complete_checkpoints, saves_in_progress
+from swarm_server.settings import Settings
+from tests.support.harness import Harness, make_harness, serve, wait_until
+
+S = EngineState
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = make_harness(tmp_path)
+    yield harness
+    harness.ctl.shutdown()
+    harness.ledger.close()
+
+
+def _checkpoint(folder: Path, step: int, run_id: str) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "ajet_checkpoint.json").write_text(json.dumps({"step": step, "run_id": run_id}))
+    return folder
+
+
+def _run(h: Harness, **job: object) -> tuple[str, object]:
+    h.configure(experiment_name="exp", **job)
+    run_id = h.ctl.start(role="control")
+    proc = h.spawner.latest()
+    proc.term_exit_code = 0  # type: ignore[attr-defined]
+    serve(proc)  # type: ignore[arg-type]
+    wait_until(lambda: h.ctl.state is S.ROLLING)
+    return run_id, proc
+
+
+def test_run_limits_are_the_jobs_capped_by_the_server(tmp_path: Path) -> None:
+    settings = Settings(workdir=tmp_path, boot_timeout_s=300, stop_grace_s=10,
+                        max_boot_timeout_s=1000, max_stop_grace_s=600)
+    assert run_limits(settings, {}) == (300, 10)  # ajet-tiny: the server's own
+    assert run_limits(settings, {"boot_timeout_s": None, "stop_grace_s": None}) == (300, 10)
+    assert run_limits(settings, {"boot_timeout_s": 1151, "stop_grace_s": 537}) == (1000, 537)
+    assert run_limits(settings, {"boot_timeout_s": 20, "stop_grace_s": 5000}) == (20, 600)
+
+
+def test_stop_waits_for_a_save_and_names_the_last_complete_checkpoint(h: Harness) -> None:
+    run_id, _ = _run(h)
+    run_dir = h.ctl.run_dir(run_id)
+    step_4 = _checkpoint(run_dir / "checkpoints" / "step_4", 4, run_id)
+    (run_dir / "final.partial").mkdir()  # the final checkpoint is being written
+    assert saves_in_progress(run_dir) == ["final"]
+    stopped = h.ctl.stop(role="control", reason="test")
+    assert stopped.waited_for == ["final"]
+    assert "waited for the checkpoint(s) being written: final" in (stopped.message or "")
+    assert stopped.last_checkpoint == str(step_4.resolve())
+    record = h.ledger.get_run(run_id)
+    assert record is not None and record.last_checkpoint == str(step_4.resolve())
+
+
+def test_final_after_a_step_of_the_same_number_is_the_last(tmp_path: Path) -> None:
+    _checkpoint(tmp_path / "checkpoints" / "step_2", 2, "r")
+    _checkpoint(tmp_path / "checkpoints" / "step_10", 10, "r")
+    _checkpoint(tmp_path / "final", 10, "r")
+    (tmp_path / "checkpoints" / "step_12.partial").mkdir()
+    assert [(c.step, c.path.name) for c in complete_checkpoints(tmp_path)] == [
+        (2, "step_2"), (10, "step_10"), (10, "final")]
+
+
+def test_resume_latest_continues_the_experiments_last_checkpoint(h: Harness) -> None:
+    first, _ = _run(h)
+    step_4 = _checkpoint(h.ctl.run_dir(first) / "checkpoints" / "step_4", 4, first)
+    h.ctl.stop(role="control", reason="test")
+
+    second, proc = _run(h, resume_from="latest")
+    argv = proc.spec.argv  # type: ignore[attr-defined]
+    assert argv[argv.index("--resume") + 1] == str(step_4.resolve())
+    record = h.ledger.get_run(second)
+    assert record is not None
+    assert (record.resumed_from, record.resume_step) == (first, 4)
+    assert record.resume_checkpoint == str(step_4.resolve())
+    h.ctl.stop(role="control", reason="test")
+
+    # by run id, and by a path relative to the runs directory
+    for value in (first, f"{first}/checkpoints/step_4"):
+        third, proc = _run(h, resume_from=value)
+        argv = proc.spec.argv  # type: ignore[attr-defined]
+        assert argv[argv.index("--resume") + 1] == str(step_4.resolve())
+        h.ctl.stop(role="control", reason="test")
+
+
+def test_resume_from_nothing_is_refused_with_a_hint(h: Harness) -> None:
+    h.configure(experiment_name="fresh", resume_from="latest")
+    with pytest.raises(SwarmValidationError) as exc:
+        h.ctl.start(role="control")
+    assert "no run of experiment 'fresh'" in str(exc.value.detail)
+    assert "list_runs" in exc.value.hint
+    h.configure(experiment_name="fresh", resume_from="no-such-run")
+    with pytest.raises(SwarmValidationError, match="neither a run id"):
+        h.ctl.start(role="control")
+    outside = _checkpoint(h.settings.workdir / "elsewhere", 3, "x")
+    h.configure(experiment_name="fresh", resume_from=str(outside))
+    with pytest.raises(SwarmValidationError, match="outside the server's runs directory"):
+        h.ctl.start(role="control")
+    assert h.ctl.state is S.OFFLINE and h.spawner.processes == []
