@@ -59,7 +59,7 @@ def test_the_table_never_passes_its_bound(tmp_path: Path) -> None:
                     for _ in range(100)]
             with pytest.raises(EngineStateConflict, match="limit") as full:
                 await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
-            assert full.value.headers == {"Retry-After": "1"}
+            assert full.value.retry_after_s == 1  # answered as Retry-After: 1
             assert len(engine.live) == 100  # refused before the engine was asked
             for episode in live[:40]:
                 await gateway.abort(AbortEpisodeRequest(episode_uuid=episode.episode_uuid))
