@@ -583,12 +583,16 @@ def _raise_for_status(response: httpx.Response, method: str, path: str) -> None:
     if response.status_code < 400:
         return
     detail: Any = response.text
-    hint = ""
+    hint, param = "", None
     try:
         body = response.json()
         if isinstance(body, dict):
             detail = body.get("detail", body)
             hint = str(body.get("hint", "") or "")
+            param = body["param"] if isinstance(body.get("param"), str) else None
     except ValueError:
         pass
-    raise error_for_status(response.status_code, detail, hint, method=method, path=path)
+    retry = response.headers.get("retry-after", "")
+    raise error_for_status(response.status_code, detail, hint, param=param,
+                           retry_after_s=float(retry) if retry.isdigit() else None,
+                           method=method, path=path)

@@ -51,6 +51,7 @@ __all__ = [
     "ManifestRequest",
     "ManifestResponse",
     "MetricsResponse",
+    "PlanePath",
     "Provenance",
     "RunPublic",
     "RunsPage",
@@ -89,6 +90,22 @@ class EngineState(str, enum.Enum):
         return self.value
 
 
+class PlanePath:
+    """The episode plane's paths: the same on the public server and on the engine's private
+    socket, which the server forwards each call to unchanged. Plain strings (a namespace,
+    not an enum), so they go wherever a path does."""
+
+    BEGIN_EPISODE = "/begin_episode"
+    END_EPISODE = "/end_episode"
+    ABORT_EPISODE = "/abort_episode"
+    CHAT_COMPLETIONS = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MODELS = "/v1/models"
+    MESSAGES = "/v1/messages"
+    COUNT_TOKENS = "/v1/messages/count_tokens"
+
+
 class ApprovalState(str, enum.Enum):
     """Where a snapshot stands with the server's approvers (docs/design.md, "Approvals")."""
 
@@ -112,10 +129,12 @@ class _Model(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    """Every error response: what went wrong and what to call next."""
+    """Every error response: what went wrong and what to call next (`ajet.errors`)."""
 
     detail: Any
     hint: str = ""
+    param: str | None = Field(default=None, description="The request field at fault, where "
+                                                        "one is named (sent only then)")
 
 
 # ---------------------------------------------------------------------------- control

@@ -37,8 +37,8 @@ __all__ = [
     "DEFAULT_TTL_S",
     "Approval",
     "ApprovalError",
-    "ApprovalStatus",
     "ApprovalStore",
+    "LaptopApprovalStatus",
     "default_approvals_dir",
     "human_identity",
 ]
@@ -55,8 +55,9 @@ DIFF_CUT_NOTE = "\n... the diff was cut here: it is too long to approve on the l
 _ID_ALPHABET = "abcdefghjkmnpqrstuvwxyz23456789"  # no 0/o, 1/l/i: read aloud, typed by hand
 
 
-class ApprovalStatus(str, enum.Enum):
-    """Where one approval request stands."""
+class LaptopApprovalStatus(str, enum.Enum):
+    """Where one laptop-side approval request stands (the server's own approvals are
+    `ajet.protocol.ApprovalState`)."""
 
     #: Filed by the bridge; waits for the human.
     PENDING = "pending"
@@ -83,7 +84,7 @@ class Approval:
     repo: str
     created_at: float
     expires_at: float
-    status: ApprovalStatus = ApprovalStatus.PENDING
+    status: LaptopApprovalStatus = LaptopApprovalStatus.PENDING
     summary: str = ""
     diff: str = ""
     files: dict[str, list[str]] = field(default_factory=dict)
@@ -102,7 +103,7 @@ class Approval:
 
     def valid_for(self, snapshot_id: str, server_url: str, now: float) -> bool:
         """True if this is a live approval of exactly this content on exactly this server."""
-        return (self.status is ApprovalStatus.APPROVED and not self.expired(now)
+        return (self.status is LaptopApprovalStatus.APPROVED and not self.expired(now)
                 and self.snapshot_id == snapshot_id
                 and _norm_url(self.server_url) == _norm_url(server_url))
 
@@ -114,7 +115,7 @@ class Approval:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Approval:
         data = dict(data)
-        data["status"] = ApprovalStatus(data.get("status", "pending"))
+        data["status"] = LaptopApprovalStatus(data.get("status", "pending"))
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -162,7 +163,7 @@ class ApprovalStore:
         """File a pending approval, or return the live one already filed for this content."""
         now = self._clock()
         for existing in self.all():
-            if (existing.status is ApprovalStatus.PENDING and not existing.expired(now)
+            if (existing.status is LaptopApprovalStatus.PENDING and not existing.expired(now)
                     and existing.snapshot_id == snapshot_id
                     and _norm_url(existing.server_url) == _norm_url(server_url)):
                 return existing
@@ -199,10 +200,10 @@ class ApprovalStore:
 
     def approve(self, approval_id: str, *, by: str | None = None) -> Approval:
         """Grant a pending request; it then stays valid for `ttl_s` from now."""
-        return self._decide(approval_id, ApprovalStatus.APPROVED, by)
+        return self._decide(approval_id, LaptopApprovalStatus.APPROVED, by)
 
     def deny(self, approval_id: str, *, by: str | None = None) -> Approval:
-        return self._decide(approval_id, ApprovalStatus.DENIED, by)
+        return self._decide(approval_id, LaptopApprovalStatus.DENIED, by)
 
     def get(self, approval_id: str) -> Approval:
         path = self._path(approval_id)
@@ -239,14 +240,14 @@ class ApprovalStore:
 
     # ------------------------------------------------------------------ private
 
-    def _decide(self, approval_id: str, status: ApprovalStatus, by: str | None) -> Approval:
+    def _decide(self, approval_id: str, status: LaptopApprovalStatus, by: str | None) -> Approval:
         approval = self.get(approval_id)
         now = self._clock()
-        if status is ApprovalStatus.APPROVED and approval.diff_cut:
+        if status is LaptopApprovalStatus.APPROVED and approval.diff_cut:
             raise ApprovalError(f"approval {approval_id}: its diff is too long to show whole "
                                 "here; ask for a smaller change, or use approver tokens and "
                                 "the server's paged review")
-        if approval.status is not ApprovalStatus.PENDING:
+        if approval.status is not LaptopApprovalStatus.PENDING:
             raise ApprovalError(f"approval {approval_id} is already {approval.status}")
         if approval.expired(now):
             raise ApprovalError(
@@ -254,7 +255,7 @@ class ApprovalStore:
                 "to file a new one"
             )
         # An approval stays valid for ttl_s from the decision, not from the request.
-        expires = now + self.ttl_s if status is ApprovalStatus.APPROVED else approval.expires_at
+        expires = now + self.ttl_s if status is LaptopApprovalStatus.APPROVED else approval.expires_at
         decided = replace(approval, status=status, decided_at=now,
                           decided_by=by or human_identity(), expires_at=expires)
         self._write(decided)

@@ -18,7 +18,6 @@ __all__ = [
     "ActivateResult",
     "ApprovalInfo",
     "ApprovalMode",
-    "ApprovalState",
     "CompareResult",
     "ConfigChange",
     "ConfigureResult",
@@ -38,6 +37,7 @@ __all__ = [
     "SnapshotsResult",
     "StartResult",
     "StopResult",
+    "SyncApprovalStatus",
     "SyncResult",
     "ToolName",
     "ToolResult",
@@ -94,15 +94,17 @@ class ToolResult(BaseModel):
 # ---------------------------------------------------------------------------- code
 
 
-#: How a sync's approval stands: `elicited` = a human accepted in the client just now;
-#: `approved` = through `ajet-mcp approvals approve`; `declined` = refused in the client.
-ApprovalState = Literal["not_needed", "pending", "approved", "denied", "declined",
-                        "auto_approved", "elicited"]
+#: How a sync's approval stands, as the bridge reports it (the laptop's view, not the
+#: server's `ajet.protocol.ApprovalState`): `elicited` = a human accepted in the client
+#: just now; `approved` = through `ajet-mcp approvals approve`; `declined` = refused in the
+#: client.
+SyncApprovalStatus = Literal["not_needed", "pending", "approved", "denied", "declined",
+                             "auto_approved", "elicited"]
 
 
 class ApprovalInfo(BaseModel):
     mode: ApprovalMode
-    status: ApprovalState
+    status: SyncApprovalStatus
     approval_id: str | None = None
     human_command: str | None = Field(
         default=None, description="The command a human runs to approve; you cannot run it for them"

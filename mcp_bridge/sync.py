@@ -60,13 +60,13 @@ from ajet.protocol import (
 )
 from mcp_bridge.approvals import (
     Approval,
-    ApprovalStatus,
+    LaptopApprovalStatus,
     ApprovalStore,
     default_approvals_dir,
     human_identity,
 )
 from mcp_bridge.bridge import Bridge, swarm_errors, tool_error
-from mcp_bridge.models import ApprovalInfo, ApprovalMode, ApprovalState as BridgeApprovalState
+from mcp_bridge.models import ApprovalInfo, ApprovalMode, SyncApprovalStatus
 from mcp_bridge.models import SyncResult, ToolName
 
 __all__ = [
@@ -182,7 +182,7 @@ class Verdict(str, enum.Enum):
 @dataclass(frozen=True)
 class Decision:
     verdict: Verdict
-    status: BridgeApprovalState
+    status: SyncApprovalStatus
     approved_by: str = ""  # set when the verdict is PROCEED; sent to the server
     approval: Approval | None = None  # the stored approval this decision rests on, if any
 
@@ -347,7 +347,7 @@ def decide(*, mode: ApprovalMode, store: ApprovalStore, plan: SyncPlan,
         return Decision(Verdict.PROCEED, "auto_approved",
                         approved_by="auto (ajet-mcp --approval auto)")
     latest = store.latest_for(plan.snapshot_id, plan.server_url)
-    if latest is not None and latest.status is ApprovalStatus.DENIED \
+    if latest is not None and latest.status is LaptopApprovalStatus.DENIED \
             and not latest.expired(time.time()):
         return Decision(Verdict.DENIED, "denied", approval=latest)
     lists = plan.change_lists()

@@ -49,7 +49,7 @@ from ajet.protocol import (
     ReviewPage,
     SnapshotApproval,
 )
-from swarm_server.errors import ApprovalRequired, BadRequest, EngineStateError
+from ajet.errors import ApprovalPending, EngineStateConflict, SwarmValidationError
 from swarm_server.ledger import ApprovalRecord, Ledger, SnapshotRecord
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
@@ -132,16 +132,16 @@ class Approvals:
                                                  ApprovalState.NOT_ENFORCED)
 
     def require_runnable(self, snapshot_id: str, *, doing: str) -> None:
-        """Raise `ApprovalRequired` (409) unless `snapshot_id` may run."""
+        """Raise `ApprovalPending` (409) unless `snapshot_id` may run."""
         approval = self.state(snapshot_id)
         if approval.state in (ApprovalState.APPROVED, ApprovalState.NOT_ENFORCED):
             return
-        raise ApprovalRequired(self.refusal(snapshot_id, approval, doing=doing),
-                               self.hint(snapshot_id, approval))
+        raise ApprovalPending(409, self.refusal(snapshot_id, approval, doing=doing),
+                              self.hint(snapshot_id, approval))
 
     def refusal(self, snapshot_id: str, approval: SnapshotApproval, *, doing: str
                 ) -> dict[str, Any]:
-        """The `detail` of an `ApprovalRequired`: what, why, and where to approve."""
+        """The `detail` of an `ApprovalPending`: what, why, and where to approve."""
         short = snapshot_id[:_SHORT]
         if approval.state is ApprovalState.PENDING:
             why = f"snapshot {short} is pending approval by an approver"
@@ -222,14 +222,15 @@ class Approvals:
         (it must be the server's code or runnable now). Default: `self.base()`.
         """
         if confirm != rec.id:
-            raise BadRequest(f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
-                             "send the full snapshot id of what you reviewed")
+            raise SwarmValidationError(
+                400, f"the confirmation {confirm[:16]}... is not snapshot {rec.id}",
+                "send the full snapshot id of what you reviewed")
         with self._lock:
             current = self.state(rec.id)
             if current.state not in _FROM[decision]:
                 allowed = " or ".join(s.value for s in _FROM[decision])
-                raise EngineStateError(
-                    f"snapshot {rec.id[:_SHORT]} is {current.state.value}"
+                raise EngineStateConflict(
+                    409, f"snapshot {rec.id[:_SHORT]} is {current.state.value}"
                     + (f" (by {current.approver})" if current.approver else "")
                     + f"; only a {allowed} snapshot can be {decision}",
                     "revoke an approved snapshot; denied and revoked ones are final"
@@ -337,8 +338,9 @@ class Approvals:
         if rec is None:
             return SERVER_CODE, "the server's own ajet/ (chosen)"
         if not self.runnable(rec.id):
-            raise BadRequest(f"snapshot {rec.id[:_SHORT]} is not approved, so it is no safe "
-                             "base for a review", "compare with 'server' or an approved snapshot")
+            raise SwarmValidationError(
+                400, f"snapshot {rec.id[:_SHORT]} is not approved, so it is no safe "
+                "base for a review", "compare with 'server' or an approved snapshot")
         return rec.id, f"approved snapshot {rec.id[:_SHORT]} (chosen)"
 
     def _side(self, snapshot_id: str) -> tuple[list[FileEntry], Any]:
@@ -346,8 +348,9 @@ class Approvals:
             return self.server_code.manifest(), self.server_code.read
         rec = self.snapshots.get(snapshot_id)
         if rec is None:
-            raise BadRequest(f"snapshot {snapshot_id[:_SHORT]} is gone from the server",
-                             "GET /code/snapshots lists what is stored")
+            raise SwarmValidationError(
+                400, f"snapshot {snapshot_id[:_SHORT]} is gone from the server",
+                "GET /code/snapshots lists what is stored")
         base_dir = self.snapshots.base_dir(rec)
 
         def read(entry: FileEntry) -> bytes:

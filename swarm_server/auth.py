@@ -25,21 +25,28 @@ from typing import Annotated, Any, Literal
 
 from fastapi import Header, Request
 from starlette.datastructures import Headers, State
+from starlette.types import Scope
 
-from swarm_server.errors import Forbidden, Unauthorized
+from ajet.errors import SwarmAuthError
 from swarm_server.settings import Settings
 
-__all__ = ["APPROVER_PREFIX", "ApproverRequirement", "ControlRequirement", "IndexRequirement",
-           "ReaderRequirement",
-           "Requirement", "ReviewerRequirement", "Role", "approver_of", "authenticate",
-           "bearer_token", "episode_key", "require_approver", "require_control", "require_reader",
-           "require_reviewer", "role_of"]
+__all__ = ["APPROVER_PREFIX", "CREDENTIAL_SCOPE", "EPISODE_SCOPE", "ApproverRequirement",
+           "ControlRequirement", "EpisodeKeyRequirement", "IndexRequirement",
+           "ReaderRequirement", "Requirement", "ReviewerRequirement", "Role", "approver_of",
+           "authenticate", "bearer_token", "episode_key", "require_approver",
+           "require_control", "require_reader", "require_reviewer", "role_of"]
 
 Role = Literal["control", "worker", "open"]
 
 _CHALLENGE = {"WWW-Authenticate": "Bearer"}
 #: Audit-log role of an approver: `approver:<name>`.
 APPROVER_PREFIX = "approver:"
+#: Where the first gate (`swarm_server.limits`) leaves the episode id of a verified
+#: episode key in the ASGI scope, so that the key is verified once per request.
+EPISODE_SCOPE = "ajet.episode_uuid"
+#: Where it leaves what `authenticate` found (a role, or `approver:<name>`).
+CREDENTIAL_SCOPE = "ajet.credential"
+_READER_ROLES = ("control", "worker", "open")
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -83,11 +90,13 @@ def require_control(settings: Settings, token: str | None) -> Role:
     if settings.token is None:  # only a worker token is configured: control stays open
         return "open"
     if role == "worker":
-        raise Forbidden("this route needs the control token; the worker token cannot call it",
-                        "use AJET_SWARM_TOKEN (control) for code, config and engine lifecycle")
+        raise SwarmAuthError(
+            403, "this route needs the control token; the worker token cannot call it",
+            "use AJET_SWARM_TOKEN (control) for code, config and engine lifecycle")
     _refuse_approver(settings, token)
-    raise Unauthorized(_missing_or_wrong(token), "send 'Authorization: Bearer $AJET_SWARM_TOKEN'",
-                       headers=_CHALLENGE)
+    raise SwarmAuthError(
+        401, _missing_or_wrong(token), "send 'Authorization: Bearer $AJET_SWARM_TOKEN'",
+        headers=_CHALLENGE)
 
 
 def require_reader(settings: Settings, token: str | None) -> Role:
@@ -95,8 +104,8 @@ def require_reader(settings: Settings, token: str | None) -> Role:
     if role is not None:
         return role
     _refuse_approver(settings, token)
-    raise Unauthorized(
-        _missing_or_wrong(token),
+    raise SwarmAuthError(
+        401, _missing_or_wrong(token),
         "send 'Authorization: Bearer <token>' with AJET_SWARM_TOKEN or AJET_SWARM_WORKER_TOKEN",
         headers=_CHALLENGE,
     )
@@ -104,9 +113,10 @@ def require_reader(settings: Settings, token: str | None) -> Role:
 
 def _refuse_approver(settings: Settings, token: str | None) -> None:
     if approver_of(settings, token) is not None:
-        raise Forbidden("an approver token opens only the approval routes (/approvals) and "
-                        "the code to review (/code/server)",
-                        "use the control or worker token here, or the web console")
+        raise SwarmAuthError(
+            403, "an approver token opens only the approval routes (/approvals) and "
+            "the code to review (/code/server)",
+            "use the control or worker token here, or the web console")
 
 
 def _missing_or_wrong(token: str | None) -> str:
@@ -132,15 +142,17 @@ def require_approver(settings: Settings, token: str | None) -> str:
     role = role_of(settings, token) if token is not None else None
     if role in ("control", "worker"):
         if not settings.approvals_enforced:
-            raise Forbidden("approvals are not enforced on this server: it has no approver "
-                            "tokens", "set AJET_SWARM_APPROVER_TOKENS (name=token,...) on the "
-                                      "server to make every snapshot need an approver")
-        raise Forbidden(f"the {role} token cannot approve; approval routes take an approver "
-                        "token only", "an approver uses their own token "
-                                      "(AJET_SWARM_APPROVER_TOKEN) or the web console")
-    raise Unauthorized(_missing_or_wrong(token),
-                       "send 'Authorization: Bearer $AJET_SWARM_APPROVER_TOKEN'",
-                       headers=_CHALLENGE)
+            raise SwarmAuthError(
+                403, "approvals are not enforced on this server: it has no approver "
+                "tokens", "set AJET_SWARM_APPROVER_TOKENS (name=token,...) on the "
+                "server to make every snapshot need an approver")
+        raise SwarmAuthError(
+            403, f"the {role} token cannot approve; approval routes take an approver "
+            "token only", "an approver uses their own token "
+            "(AJET_SWARM_APPROVER_TOKEN) or the web console")
+    raise SwarmAuthError(401, _missing_or_wrong(token),
+                         "send 'Authorization: Bearer $AJET_SWARM_APPROVER_TOKEN'",
+                         headers=_CHALLENGE)
 
 
 def require_reviewer(settings: Settings, token: str | None) -> str:
@@ -186,12 +198,17 @@ class Requirement:
         """The caller's role (or identity), or raise 401/403."""
         raise NotImplementedError
 
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> Any:
+        """`check` for one request; a requirement the first gate already proved for this
+        request reads the proof from the scope instead of checking again."""
+        return self.check(state, headers)
+
     # `async`: FastAPI runs a plain `def` dependency in its thread pool, a hop that costs
     # about a millisecond on the episode plane's hot path. The `authorization` parameter
     # only documents the header in the OpenAPI schema; `check` reads the headers itself.
     async def __call__(self, request: Request,
                        authorization: Annotated[str | None, Header()] = None) -> Any:
-        return self.check(request.app.state, request.headers)
+        return self.check_request(request.scope, request.app.state, request.headers)
 
 
 @dataclass(frozen=True)
@@ -213,6 +230,14 @@ class ReaderRequirement(Requirement):
     def check(self, state: State, headers: Headers) -> Role:
         return require_reader(state.ctx.settings, _token(headers))
 
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> Role:
+        # the first gate's `authenticate` is `require_reader` for every token but an
+        # approver's: a reader role it found is this requirement, proven
+        found = scope.get(CREDENTIAL_SCOPE)
+        if found in _READER_ROLES:
+            return found  # type: ignore[no-any-return]
+        return self.check(state, headers)
+
 
 @dataclass(frozen=True)
 class IndexRequirement(Requirement):
@@ -224,7 +249,9 @@ class IndexRequirement(Requirement):
     def check(self, state: State, headers: Headers) -> str:
         try:
             return require_reader(state.ctx.settings, _token(headers))
-        except Unauthorized:
+        except SwarmAuthError as exc:
+            if exc.status != 401:
+                raise
             state.ctx.episodes.check_key(episode_key(headers))
             return "episode"
 
@@ -247,3 +274,30 @@ class ReviewerRequirement(Requirement):
 
     def check(self, state: State, headers: Headers) -> str:
         return require_reviewer(state.ctx.settings, _token(headers))
+
+
+@dataclass(frozen=True)
+class EpisodeKeyRequirement(Requirement):
+    """The OpenAI- and Anthropic-compatible routes (`/v1/*`): the signed key of a live
+    episode, sent as the API key (`episode_key`, `EpisodeGateway.check_key`); `check`
+    returns the episode id.
+
+    The first gate verifies it before routing, for every `/v1/` path, and leaves the
+    episode id under `EPISODE_SCOPE`; `check_request` takes it from there.
+    """
+
+    access: str = "episode key"
+
+    def check(self, state: State, headers: Headers) -> str:
+        episode: str = state.ctx.episodes.check_key(episode_key(headers))
+        return episode
+
+    def check_request(self, scope: Scope, state: State, headers: Headers) -> str:
+        verified = scope.get(EPISODE_SCOPE)
+        return verified if isinstance(verified, str) else self.check(state, headers)
+
+    # both headers a key may come in, for the OpenAPI schema (`check` reads them itself)
+    async def __call__(self, request: Request,  # type: ignore[override]
+                       authorization: Annotated[str | None, Header()] = None,
+                       x_api_key: Annotated[str | None, Header()] = None) -> Any:
+        return self.check_request(request.scope, request.app.state, request.headers)

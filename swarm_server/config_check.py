@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from swarm_server.engine_user import EngineUser
-from swarm_server.errors import Unprocessable
+from ajet.errors import SwarmValidationError
 from swarm_server.run_files import redact_secrets
 from swarm_server.settings import Settings
 from swarm_server.supervisor import engine_env
@@ -63,7 +63,7 @@ _YAML_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 def refuse_yaml_expansion(yaml_text: str) -> None:
-    """Raise `Unprocessable` if `yaml_text` uses anchors, aliases or merge keys.
+    """Raise `SwarmValidationError` if `yaml_text` uses anchors, aliases or merge keys.
 
     A few hundred bytes of aliases expand to millions of entries when the YAML is built
     (a "billion laughs"); a job config never needs them. Only the token stream is read
@@ -86,8 +86,8 @@ def refuse_yaml_expansion(yaml_text: str) -> None:
         pass  # what was scanned before the error still counts
     if found:
         named = ", ".join(f"{kind} ({example})" for kind, example in found.items())
-        raise Unprocessable(
-            [{"loc": ["yaml"], "msg": f"YAML {named} are not accepted in a job config: they "
+        raise SwarmValidationError(
+            422, [{"loc": ["yaml"], "msg": f"YAML {named} are not accepted in a job config: they "
               "can expand a small text into a huge one", "type": "value_error"}],
             "write every value out in full (AgentJetJob(...).to_yaml() does); nothing was "
             "changed (the previous config stays)")
@@ -97,7 +97,7 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                       engine_user: EngineUser | None = None) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
-    Raises `Unprocessable` naming each bad field, or saying why the validator failed.
+    Raises `SwarmValidationError` naming each bad field, or saying why the validator failed.
     YAML anchors, aliases and merge keys are refused first (`refuse_yaml_expansion`).
     """
     refuse_yaml_expansion(yaml_text)
@@ -112,13 +112,14 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
             **(engine_user.popen_kwargs() if engine_user is not None else {}),
         )
     except subprocess.TimeoutExpired as exc:
-        raise Unprocessable(
+        raise SwarmValidationError(
+            422,
             f"the job validator did not finish within {settings.config_validate_timeout_s:.0f}s",
             _HINT_FIX_CODE,
         ) from exc
     except OSError as exc:
-        raise Unprocessable(f"cannot run the job validator ({cmd[0]}): {exc}",
-                            "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
+        raise SwarmValidationError(422, f"cannot run the job validator ({cmd[0]}): {exc}",
+                                   "check AJET_SWARM_ENGINE_PYTHON on the server") from exc
     # Bounded and redacted: this reaches the control caller in the 422.
     # (A cut first line could hold part of a token, so it goes.)
     stderr_lines = redact_secrets(proc.stderr[-_STDERR_TAIL_BYTES:].decode(
@@ -135,7 +136,8 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
         if not isinstance(result, dict) or "ok" not in result:
             raise ValueError("not a validator result")
     except ValueError as exc:
-        raise Unprocessable(
+        raise SwarmValidationError(
+            422,
             {"message": f"the job validator exited with code {proc.returncode} without a result",
              "stderr": stderr_tail},
             _HINT_FIX_CODE,
@@ -152,15 +154,15 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                            for e in errors) or "(job)"
         # the memory planner's refusal brings its own hint: the changes that would fit
         hint = result.get("hint")
-        raise Unprocessable(
-            errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
+        raise SwarmValidationError(
+            422, errors or [{"loc": [], "msg": str(result.get("message", "invalid job")),
                         "type": "value_error"}],
             str(hint) if isinstance(hint, str) and hint else
             f"fix the job field(s): {fields}; nothing was changed (the previous config stays)",
         )
     config = result.get("config")
     if not isinstance(config, dict):
-        raise Unprocessable("the job validator returned no config", _HINT_FIX_CODE)
+        raise SwarmValidationError(422, "the job validator returned no config", _HINT_FIX_CODE)
     text = yaml.safe_dump(config, sort_keys=False)
     memory = result.get("memory")
     if isinstance(memory, dict) and memory.get("fits") is False:

@@ -5,7 +5,7 @@ current run, and the engine process (through a `supervisor.Spawner`). The rules:
 
 - Every state change goes through `change_state(expected_from, to)`: a compare-and-set
   under one lock that also checks the edge is legal (`_EDGES`). A request in the wrong
-  state gets `EngineStateError` (HTTP 409) naming the state and what to call next.
+  state gets `EngineStateConflict` (HTTP 409) naming the state and what to call next.
 - Lifecycle operations (config, start, stop, code swap) also hold `_lifecycle`, so they
   never interleave: twenty concurrent starts launch exactly one engine.
 - Every start is a run in the ledger. Two threads watch a run: one blocks on the process
@@ -62,9 +62,9 @@ from ajet.protocol import (
     LastError,
     StopEngineResponse,
 )
+from ajet.errors import EngineStateConflict, SwarmHTTPError
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
-from swarm_server.errors import ApiError, EngineStateError
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_checkpoints import (
@@ -243,19 +243,20 @@ class EngineController:
         """Compare-and-set: move to `to` only if the state is one of `expected_from`.
 
         With `run`, also only if that run is still the current one (a late report of an
-        old run must not move a new one). Raises `EngineStateError` (409) otherwise.
+        old run must not move a new one). Raises `EngineStateConflict` (409) otherwise.
         """
         expected = (expected_from,) if isinstance(expected_from, EngineState) else expected_from
         with self._lock:
             current = self._state
             if current not in expected or (run is not None and run is not self._run):
-                raise EngineStateError(
+                raise EngineStateConflict(
+                    409,
                     f"engine is {current}; this needs {' or '.join(s.value for s in expected)}",
                     hint or _hint_for(current),
                 )
             if to not in _EDGES[current]:
-                raise EngineStateError(f"engine cannot go from {current} to {to}",
-                                       hint or _hint_for(current))
+                raise EngineStateConflict(409, f"engine cannot go from {current} to {to}",
+                                          hint or _hint_for(current))
             log.info("engine state %s -> %s", current, to)
             self._state = to
             self._since = time.time()
@@ -335,8 +336,8 @@ class EngineController:
             try:
                 state = self.state
                 if state is not EngineState.OFFLINE and not check_only:
-                    raise EngineStateError(
-                        f"engine is {state}; the config can change only while ENGINE.OFFLINE",
+                    raise EngineStateConflict(
+                        409, f"engine is {state}; the config can change only while ENGINE.OFFLINE",
                         "call stop_engine first, then sync_train_config; or use "
                         "auto_sync_train_config_and_start_engine(job, force_restart=True)",
                     )
@@ -349,7 +350,7 @@ class EngineController:
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
                                             engine_user=self.engine_user)
                 self._resume_point(_job_dict(checked.yaml_text))  # refused now, not at start
-            except ApiError as exc:
+            except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
                 raise
@@ -390,8 +391,8 @@ class EngineController:
             try:
                 state = self.state
                 if state is not EngineState.OFFLINE and not force_restart:
-                    raise EngineStateError(
-                        f"engine is {state} (run {self.latest_run_id()}); it starts only from "
+                    raise EngineStateConflict(
+                        409, f"engine is {state} (run {self.latest_run_id()}); it starts only from "
                         "ENGINE.OFFLINE",
                         "call stop_engine first, or start_engine(force_restart=True)",
                     )
@@ -403,7 +404,7 @@ class EngineController:
                     previous = self._stop_locked("restarted by start_engine(force_restart=True)")
                     stopped = previous.run_id
                 run_id = self._start_locked(role)
-            except ApiError as exc:
+            except SwarmHTTPError as exc:
                 self.ledger.audit("start_engine", role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status, "force_restart": force_restart})
                 raise
@@ -433,8 +434,8 @@ class EngineController:
         with self._lifecycle:
             state = self.state
             if state is not EngineState.OFFLINE and not force_restart:
-                raise EngineStateError(
-                    f"engine is {state}; code can change only while ENGINE.OFFLINE",
+                raise EngineStateConflict(
+                    409, f"engine is {state}; code can change only while ENGINE.OFFLINE",
                     "stop_engine first or pass force_restart=True",
                 )
             was_running = state is not EngineState.OFFLINE
@@ -501,8 +502,8 @@ class EngineController:
     def _require_config(self) -> str:
         yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
         if not yaml_text:
-            raise EngineStateError("no training config on the server",
-                                   "call sync_train_config(job) first, then start_engine")
+            raise EngineStateConflict(409, "no training config on the server",
+                                      "call sync_train_config(job) first, then start_engine")
         return yaml_text
 
     def _start_locked(self, role: str) -> str:
@@ -667,7 +668,7 @@ class EngineController:
                     and report.state in SERVING_STATES:
                 try:
                     self.change_state(_ACTIVE_STATES, report.state, run=run)
-                except EngineStateError:
+                except EngineStateConflict:
                     return  # the run ended between the report and now
         if problem is not None:
             self._fail(run, handle, problem)

@@ -1,97 +1,184 @@
-"""`EpisodeLane`: the episode plane's hot routes, served without FastAPI's routing and
-dependency solving.
+"""The episode plane's route table (`PlaneRoute`), and `EpisodeLane`, which serves its hot
+rows without FastAPI's routing and dependency solving.
+
+Each episode-plane route is declared once, as one `PlaneRoute` row (`routes/episodes.py`
+holds the table): method, path, who may call it (`requirement`), its body bound
+(`body_limit`), its body type, its handler and its OpenAPI description. Two things are
+built from the same rows:
+
+- `plane_router(rows)`: the documented FastAPI endpoints (`/docs`, `/openapi.json`), one
+  per row, each declaring the row's requirement and body bound as dependencies and
+  calling the row's handler;
+- `EpisodeLane(app, rows=..., router=...)`: an ASGI middleware that serves the rows with
+  no path parameter straight from a `(method, path)` dict.
 
 Every rollout worker calls begin, chat and end once per episode, and many laptops send
-rollouts to one server, so the server's CPU per call bounds the cluster. The
-profile put FastAPI's share of one such call at about 0.6 ms on the shared 2-core
-machine: the router matched the path against every route of the app in turn (some 90),
-then FastAPI solved the route's dependencies, parsed and validated the body, and
-validated and serialised the answer. The lane does the same work for the routes
-`routes/episodes.py` lists in `LANE_ROUTES`, directly:
+rollouts to one server, so the server's CPU per call bounds the cluster. FastAPI's share
+of one such call was about 0.6 ms on a shared 2-core machine: its router matched the
+path against every route of the app in turn (some 90), then solved the route's
+dependencies, parsed and validated the body, and validated and serialised the answer.
+The lane does the same work directly:
 
-- it finds the route by `(method, path)` in a dict, and puts the route's declared
-  `APIRoute` in `scope["route"]` as FastAPI's router would; so `swarm_server.limits`
-  checks the route's own `Requirement` and `BodyLimit` when the body is first read,
-  exactly as for every other route (the declaration in `routes/episodes.py` stays the one
-  source of who may call it and how large its body may be);
-- it reads the body through that gate and parses it as FastAPI does (JSON only under a
-  JSON content type, the route's pydantic type, the same 422 body), calls the route's
-  handler function, and renders the result, an `ApiError` or a refusal of the gate as
-  the app's error handlers do (`errors.error_response`, OpenAI-shaped under `/v1/`,
-  Anthropic-shaped on the Messages routes).
+- it puts the row's `APIRoute` (from `plane_router`) in `scope["route"]` as FastAPI's
+  router would, so `swarm_server.limits` checks the row's requirement and body bound
+  when the body is first read, exactly as for every other route: that gate is the one
+  place a body is bounded in this process, and the handler gets the bytes it buffered;
+- it parses the body as FastAPI does (JSON only under a JSON content type, the row's
+  pydantic type, the same 422 body), calls the row's handler and renders the result, an
+  error or a refusal of the gate as the app's error handlers do (`ajet.errors.error_response`,
+  OpenAI-shaped under `/v1/`, Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
-which serves these same routes through the same handler functions. The lane sits
-directly inside `LimitsMiddleware`, so the first gate (a credential before routing) has
-run for every request it sees.
+which serves the same rows through the endpoints `plane_router` made. The lane sits
+directly inside `LimitsMiddleware`, so the first gate (a credential before routing, the
+episode key of `/v1/*`) has run for every request it sees.
+
+To add a route: one more row in the table, and the engine's route at the same path
+(`ajet.protocol.PlanePath`).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, Any
 
+from fastapi import Body, Depends
 from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_json
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from swarm_server.errors import (
-    ApiError,
-    EarlyRefusal,
-    error_response,
-    validation_error_response,
-)
+from swarm_server.auth import Requirement
+from ajet.errors import SwarmHTTPError, error_response
+from swarm_server.errors import EarlyRefusal, is_anthropic_path, validation_error_response
+from swarm_server.limits import EPISODE_PREFIX, BodyLimit
 
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
 
-__all__ = ["EpisodeLane", "LaneRoute"]
+__all__ = ["EpisodeLane", "Handler", "PlaneRoute", "plane_router"]
 
-#: A lane handler: the context, the request, and the parsed body (None without one).
+#: A row's handler: the context, the request, and the body: the row's `model` parsed and
+#: validated (None when it is optional and absent), or, without a `model`, the raw bytes
+#: the limits gate buffered (None for a route without a body, such as a GET).
 Handler = Callable[["ServerContext", Request, Any], Awaitable[Any]]
 _MISSING = object()
+_PATH_PARAM = re.compile(r"{(\w+)(?::\w+)?}")
 
 
 @dataclass(frozen=True)
-class LaneRoute:
-    """One route the lane serves.
-
-    `endpoint` is the FastAPI endpoint function the route is declared with (the lane
-    finds the declared `APIRoute` by it); `handler` does the route's work and is what that
-    endpoint calls too. With `body` the lane parses and validates the body as this type
-    (`required`: an empty body is a 422) and passes it; without, `handler` reads the
-    body itself. `openai`: errors in OpenAI's shape as well.
-    """
+class PlaneRoute:
+    """One episode-plane route: everything about it, in one place."""
 
     method: str
     path: str
-    endpoint: Callable[..., Any]
     handler: Handler
-    body: TypeAdapter[Any] | None = None
+    #: who may call it (`auth.Requirement`): the worker token, or the episode key
+    requirement: Requirement
+    #: its body bound (`limits.BodyLimit`), enforced once, by the limits gate
+    body_limit: BodyLimit
+    #: the body's pydantic type; None: the handler gets the raw bytes (forwarded unread)
+    model: Any = None
+    #: with `model`: an empty body is a 422 (else the handler gets None)
     required: bool = True
-    openai: bool = False
-    anthropic: bool = False
+    #: OpenAPI: the answer's type, what the route does (the endpoint's docstring), the
+    #: error statuses, and anything more (a raw body's schema)
+    response_model: Any = None
+    description: str = ""
+    responses: dict[int | str, dict[str, Any]] = field(default_factory=dict)
+    openapi_extra: dict[str, Any] | None = None
+    #: the endpoint's own name in the schema (its operation id)
+    name: str = ""
+
+    @property
+    def openai(self) -> bool:
+        """Errors in OpenAI's shape as well (the `/v1/*` routes)."""
+        return self.path.startswith(EPISODE_PREFIX)
+
+    @property
+    def anthropic(self) -> bool:
+        """Errors in Anthropic's shape instead (the Messages routes)."""
+        return is_anthropic_path(self.path)
+
+    @property
+    def on_lane(self) -> bool:
+        """Served by `EpisodeLane`: a fixed path (a path parameter needs FastAPI's router)."""
+        return "{" not in self.path
+
+
+async def serve_row(row: PlaneRoute, ctx: ServerContext, request: Request, body: Any) -> Any:
+    """Call the row's handler; on `/v1/*`, an error becomes its OpenAI-shaped response
+    (Anthropic-shaped on the Messages routes)."""
+    if not row.openai:
+        return await row.handler(ctx, request, body)
+    try:
+        return await row.handler(ctx, request, body)
+    except SwarmHTTPError as exc:
+        return error_response(exc, openai=True, anthropic=row.anthropic)
+
+
+def plane_router(rows: Sequence[PlaneRoute], **router_options: Any) -> APIRouter:
+    """The documented FastAPI endpoints of `rows`, one per row."""
+    router = APIRouter(**router_options)
+    for row in rows:
+        router.add_api_route(
+            row.path, _endpoint(row), methods=[row.method], name=row.name or None,
+            response_model=row.response_model, description=row.description or None,
+            responses=row.responses, openapi_extra=row.openapi_extra,
+            dependencies=[Depends(row.requirement), Depends(row.body_limit)])
+    return router
+
+
+def _endpoint(row: PlaneRoute) -> Callable[..., Awaitable[Any]]:
+    """A FastAPI endpoint for the row: its signature tells FastAPI the body type."""
+    reads_raw = row.model is None and row.method not in ("GET", "HEAD")
+
+    async def endpoint(request: Request, body: Any = None, **_: Any) -> Any:
+        # path parameters arrive as keywords too; handlers read `request.path_params`
+        if reads_raw:
+            body = await request.body()  # what the limits gate buffered and bounded
+        return await serve_row(row, request.app.state.ctx, request, body)
+
+    params = [inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                annotation=Request)]
+    if row.model is not None:
+        kind = row.model if row.required else row.model | None
+        params.append(inspect.Parameter(
+            "body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Annotated[kind, Body()],
+            default=inspect.Parameter.empty if row.required else None))
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=str)
+               for name in _PATH_PARAM.findall(row.path)]
+    endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    endpoint.__name__ = row.name or row.handler.__name__.strip("_")
+    endpoint.__doc__ = row.description
+    return endpoint
 
 
 class EpisodeLane:
     """ASGI middleware; see the module docstring."""
 
-    def __init__(self, app: ASGIApp, *, routes: Sequence[LaneRoute], router: APIRouter) -> None:
+    def __init__(self, app: ASGIApp, *, rows: Sequence[PlaneRoute], router: APIRouter) -> None:
         self.app = app
-        declared = {(route.endpoint, route.path): route for route in router.routes
-                    if isinstance(route, APIRoute)}
-        self._table: dict[tuple[str, str], tuple[LaneRoute, APIRoute]] = {}
-        for lane in routes:
-            api_route = declared.get((lane.endpoint, lane.path))
-            if api_route is None or lane.method not in api_route.methods:
-                raise RuntimeError(f"{lane.method} {lane.path} is not declared by "
-                                   f"{lane.endpoint.__name__} on the router")
-            self._table[(lane.method, lane.path)] = (lane, api_route)
+        declared = {(route.path, method): route for route in router.routes
+                    if isinstance(route, APIRoute) for method in route.methods}
+        self._table: dict[tuple[str, str], tuple[PlaneRoute, APIRoute, TypeAdapter[Any] | None]]
+        self._table = {}
+        for row in rows:
+            if not row.on_lane:
+                continue
+            api_route = declared.get((row.path, row.method))
+            if api_route is None:
+                raise RuntimeError(f"{row.method} {row.path} is not on the router: build the "
+                                   "router from the same rows (plane_router)")
+            model = TypeAdapter(row.model if row.required else row.model | None) \
+                if row.model is not None else None
+            self._table[(row.method, row.path)] = (row, api_route, model)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not scope.get("root_path"):
@@ -101,25 +188,38 @@ class EpisodeLane:
                 return
         await self.app(scope, receive, send)
 
-    async def _serve(self, lane: LaneRoute, api_route: APIRoute, scope: Scope,
-                     receive: Receive, send: Send) -> None:
+    async def _serve(self, row: PlaneRoute, api_route: APIRoute, model: TypeAdapter[Any] | None,
+                     scope: Scope, receive: Receive, send: Send) -> None:
         # what FastAPI's router sets for a matched route (the limits gate reads "route")
-        scope["route"], scope["endpoint"], scope["path_params"] = api_route, lane.endpoint, {}
+        scope["route"], scope["endpoint"], scope["path_params"] = api_route, api_route.endpoint, {}
         request = Request(scope, receive)
         try:
             # read first, whatever the handler does: the first `receive` is where the
-            # limits gate checks the route's requirement and body bound (a chat handler
-            # reads it again from Starlette's cache)
-            raw = await request.body()
-            body = _parsed_body(lane, request, raw) if lane.body is not None else None
-            response = _as_response(await lane.handler(scope["app"].state.ctx, request, body))
+            # limits gate checks the row's requirement and body bound (handlers get the
+            # body as an argument, never from `request`)
+            raw = await _body(receive)
+            body = _parsed_body(model, row.required, request, raw) if model is not None else raw
+            result = await serve_row(row, scope["app"].state.ctx, request, body)
+            response = _as_response(result)
         except _Invalid as exc:
             response = validation_error_response(exc.errors)
         except EarlyRefusal as exc:  # the limits gate refused the body
             response = error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
-        except ApiError as exc:
-            response = error_response(exc, openai=lane.openai, anthropic=lane.anthropic)
+        except SwarmHTTPError as exc:
+            response = error_response(exc, openai=row.openai, anthropic=row.anthropic)
         await response(scope, receive, send)
+
+
+async def _body(receive: Receive) -> bytes:
+    """The whole body (the limits gate hands it over as one message)."""
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class _Invalid(Exception):
@@ -128,9 +228,8 @@ class _Invalid(Exception):
         self.errors = errors
 
 
-def _parsed_body(lane: LaneRoute, request: Request, raw: bytes) -> Any:
+def _parsed_body(model: TypeAdapter[Any], required: bool, request: Request, raw: bytes) -> Any:
     """The body as FastAPI parses a single body parameter (strict content type)."""
-    assert lane.body is not None
     value: Any = _MISSING
     if raw:
         if _is_json(request.headers.get("content-type")):
@@ -142,11 +241,11 @@ def _parsed_body(lane: LaneRoute, request: Request, raw: bytes) -> Any:
         else:
             value = raw  # not JSON: the type's own validation refuses it
     if value is _MISSING:
-        if lane.required:
+        if required:
             raise _Invalid([{"type": "missing", "loc": ("body",), "msg": "Field required"}])
         return None
     try:
-        return lane.body.validate_python(value)
+        return model.validate_python(value)
     except ValidationError as exc:
         raise _Invalid([{**e, "loc": ("body", *e["loc"])}
                         for e in exc.errors(include_url=False)]) from exc

@@ -7,7 +7,8 @@ the engine serves (docs/internals.md, "Episode plane (server side)"):
   records the episode in the gateway's own table (run id, expiry, ended flag);
 - `check_key` verifies a key and looks the episode up **by id in that table** (nothing
   else in the key is trusted), refusing unknown, foreign-run and ended episodes with
-  401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read;
+  401; `swarm_server.limits` calls it for every `/v1/*` request before the body is read,
+  once, and the route hands `openai` the episode id it found;
 - `openai` (every `/v1/*` route: chat, completions, responses, models, and Anthropic's
   messages and count_tokens) forwards the request with `X-Episode-UUID`, streaming the
   answer back unchanged;
@@ -55,16 +56,18 @@ from ajet.protocol import (
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineState,
+    PlanePath,
+)
+from ajet.errors import (
+    EngineStateConflict,
+    SwarmAuthError,
+    SwarmHTTPError,
+    SwarmNotFound,
+    SwarmValidationError,
+    error_for_status,
 )
 from swarm_server.engine_channel import ChannelError, EngineChannel, Reply
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
-from swarm_server.errors import (
-    ApiError,
-    EngineStateError,
-    NotFound,
-    Unauthorized,
-    Unprocessable,
-)
 from swarm_server.settings import Settings
 
 __all__ = ["EngineView", "EpisodeGateway"]
@@ -88,15 +91,6 @@ class EngineView(Protocol):
     def current_run_id(self) -> str | None: ...
 
     def current_step(self) -> int | None: ...
-
-
-class EngineRelayedError(ApiError):
-    """An error the engine answered, passed on with its status, detail and hint."""
-
-    def __init__(self, status: int, detail: Any, hint: str = "", *,
-                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
-        super().__init__(detail, hint, headers=headers, param=param)
-        self.status = status
 
 
 @dataclass
@@ -135,7 +129,7 @@ class EpisodeGateway:
                     ) -> BeginEpisodeResponse:
         run_id, channel = self._target("begin_episode")
         self._make_room()
-        data = await self._post_json(channel, "/begin_episode", body)
+        data = await self._post_json(channel, PlanePath.BEGIN_EPISODE, body)
         episode_uuid = str(data["episode_uuid"])
         key, expires_at = self.signer.sign(run_id, episode_uuid)
         timeout_s = data.get("timeout_s")
@@ -152,37 +146,26 @@ class EpisodeGateway:
         self._check_values(body)
         entry = self._live_entry(body.episode_uuid)
         _, channel = self._target("end_episode")
-        try:
-            data = await self._post_json(channel, "/end_episode", body)
-        except EngineRelayedError as exc:
-            if exc.status in (404, 409):  # the engine closed it (timed out, aborted)
-                self._close(entry)
-            raise
+        data = await self._post_json(channel, PlanePath.END_EPISODE, body, entry=entry)
         self._close(entry)
         return EndEpisodeResponse.model_validate(data)
 
     async def abort(self, body: AbortEpisodeRequest) -> dict[str, Any]:
         entry = self._live_entry(body.episode_uuid)
         _, channel = self._target("abort_episode")
-        try:
-            data = await self._post_json(channel, "/abort_episode", body)
-        except EngineRelayedError as exc:
-            if exc.status in (404, 409):
-                self._close(entry)
-            raise
+        data = await self._post_json(channel, PlanePath.ABORT_EPISODE, body, entry=entry)
         self._close(entry)
         return data
 
-    def authorize(self, key: str | None) -> str:
-        """The episode a `/v1/*` key names, or 401 (for routes that forward nothing)."""
-        return self.check_key(key)
-
-    async def openai(self, key: str | None, *, method: str, path: str, body: bytes | None
+    async def openai(self, episode_uuid: str, *, method: str, path: str, body: bytes | None
                      ) -> Response:
-        """Forward an OpenAI-compatible request (`/v1/...`) for the episode the key names:
-        the body as the client sent it, the engine's answer as it came (streamed on)."""
-        episode_uuid = self.check_key(key)
-        entry = self._episodes[episode_uuid]
+        """Forward an OpenAI-compatible request (`/v1/...`) for the episode whose key the
+        first gate verified (`check_key`): the body as the client sent it, the engine's
+        answer as it came (streamed on)."""
+        entry = self._episodes.get(episode_uuid)
+        if entry is None or entry.ended:  # ended (or pruned) while its body was read
+            raise SwarmAuthError(401, f"episode {episode_uuid} has ended",
+                                 "call begin_episode for a new episode", headers=_CHALLENGE)
         entry.last_active, entry.step = time.monotonic(), self._step()
         _, channel = self._target("chat")
         try:
@@ -211,14 +194,14 @@ class EpisodeGateway:
         if reply.status == 404 and detail == "Not Found":
             # the engine runs code that has no such route (an older snapshot); the
             # episode itself is fine
-            raise NotFound(f"the engine's code does not serve {path} (its snapshot predates "
-                           "it)", "sync the current ajet/ and restart the engine, or use "
-                           "another API of the episode plane")
+            raise SwarmNotFound(404, f"the engine's code does not serve {path} (its snapshot "
+                                "predates it)", "sync the current ajet/ and restart the "
+                                "engine, or use another API of the episode plane")
         if reply.status in (404, 409):  # the episode closed in the engine
             entry.ended = True
-            raise Unauthorized(f"episode {episode_uuid} is no longer live: {detail}",
-                               "call begin_episode for a new episode and use its key",
-                               headers=_CHALLENGE)
+            raise SwarmAuthError(401, f"episode {episode_uuid} is no longer live: {detail}",
+                                 "call begin_episode for a new episode and use its key",
+                                 headers=_CHALLENGE)
         raise self._relay(reply, content)
 
     async def engine_call(self, method: str, path: str,
@@ -249,27 +232,28 @@ class EpisodeGateway:
     def check_key(self, key: str | None) -> str:
         """The episode id of a genuine key of a live episode of the serving run, else 401."""
         if not key:
-            raise Unauthorized("missing episode key",
-                               "use the openai_api_key returned by begin_episode as the API key",
-                               headers=_CHALLENGE)
+            raise SwarmAuthError(401, "missing episode key",
+                                 "use the openai_api_key returned by begin_episode as the API key",
+                                 headers=_CHALLENGE)
         try:
             claims = self.signer.verify(key)
         except InvalidEpisodeKey as exc:
             hint = ("call begin_episode for a new episode" if exc.expired else
                     "use the openai_api_key returned by begin_episode on this server")
-            raise Unauthorized(str(exc), hint, headers=_CHALLENGE) from exc
+            raise SwarmAuthError(401, str(exc), hint, headers=_CHALLENGE) from exc
         entry = self._episodes.get(claims.episode_uuid)
         current = self.engine.current_run_id()
         if entry is None or entry.run_id != claims.run_id:
-            raise Unauthorized("unknown episode for this key",
-                               "call begin_episode for a new episode", headers=_CHALLENGE)
+            raise SwarmAuthError(401, "unknown episode for this key",
+                                 "call begin_episode for a new episode", headers=_CHALLENGE)
         if entry.run_id != current:
-            raise Unauthorized(
+            raise SwarmAuthError(
+                401,
                 f"episode {claims.episode_uuid} belongs to engine run {entry.run_id}, which is "
                 "no longer serving", "call begin_episode for a new episode", headers=_CHALLENGE)
         if entry.ended:
-            raise Unauthorized(f"episode {claims.episode_uuid} has ended",
-                               "call begin_episode for a new episode", headers=_CHALLENGE)
+            raise SwarmAuthError(401, f"episode {claims.episode_uuid} has ended",
+                                 "call begin_episode for a new episode", headers=_CHALLENGE)
         return claims.episode_uuid
 
     def table_size(self) -> int:
@@ -303,7 +287,7 @@ class EpisodeGateway:
             check(["body", "log_metrics", name[:MAX_METRIC_NAME]], value,
                   settings.max_metric_magnitude, "AJET_SWARM_MAX_METRIC_MAGNITUDE")
         if problems:
-            raise Unprocessable(problems, "send finite values within the limits "
+            raise SwarmValidationError(422, problems, "send finite values within the limits "
                                           "(docs/limits.md); scale the reward, or ask the "
                                           "server's operator to raise the limit")
 
@@ -317,8 +301,8 @@ class EpisodeGateway:
             return None
         current = self.engine.current_run_id()
         if entry.run_id != current:
-            raise NotFound(
-                f"episode {episode_uuid} belongs to engine run {entry.run_id}; the engine now "
+            raise SwarmNotFound(
+                404, f"episode {episode_uuid} belongs to engine run {entry.run_id}; the engine now "
                 f"runs {current or 'nothing'}", "its reward cannot be used; begin a new episode")
         return entry
 
@@ -326,12 +310,12 @@ class EpisodeGateway:
         socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
         if socket_path is None or run_id is None:
             state = self.engine.state
-            raise EngineStateError(
-                f"engine is {state}: cannot {action}",
+            raise EngineStateConflict(
+                409, f"engine is {state}: cannot {action}",
                 "start the engine (start_engine) and wait for ENGINE.ROLLING"
                 if state == EngineState.OFFLINE else
                 "retry in about 1 s; episodes are served once the engine is ENGINE.ROLLING",
-                headers={"Retry-After": "1"})
+                retry_after_s=1)
         if self._channel is None or self._channel_for != (run_id, socket_path):
             if self._channel is not None:  # idle connections of the old run: close them
                 self._channel.close()
@@ -343,38 +327,44 @@ class EpisodeGateway:
             self._pruned_at_step = 0
         return run_id, self._channel
 
-    async def _post_json(self, channel: EngineChannel, path: str, body: BaseModel
-                         ) -> dict[str, Any]:
+    async def _post_json(self, channel: EngineChannel, path: str, body: BaseModel, *,
+                         entry: _Entry | None = None) -> dict[str, Any]:
+        """The engine's JSON answer; its error relayed. A 404 or 409 about the episode
+        of `entry` means the engine closed it (timed out, aborted): closed here too."""
         try:
             reply, content = await channel.request("POST", path, to_json(body))
         except ChannelError as exc:
             raise self._unreachable(path.strip("/"), exc) from exc
         if reply.status != 200:
+            if reply.status in (404, 409):
+                self._close(entry)
             raise self._relay(reply, content)
         data = json.loads(content)
         if not isinstance(data, dict):
-            raise EngineRelayedError(502, f"engine answered {path} with a non-object",
-                                     "see GET /runs/current/logs")
+            raise SwarmHTTPError(502, f"engine answered {path} with a non-object",
+                                 "see GET /runs/current/logs")
         return data
 
-    def _relay(self, reply: Reply, content: bytes) -> ApiError:
+    def _relay(self, reply: Reply, content: bytes) -> SwarmHTTPError:
         status, headers = reply.status, reply.headers
         detail, hint, param = _error_parts(content)
         if status >= 500:
             log.warning("engine answered %d: %s", status, detail)
             if status == 503:  # engine not ready (no policy yet, shutting down)
-                return EngineStateError(detail, hint or "retry when the engine is ENGINE.ROLLING")
-            return EngineRelayedError(502, f"engine error: {detail}",
-                                      hint or "see the engine log: GET /runs/current/logs")
-        extra = {"Retry-After": headers["retry-after"]} if "retry-after" in headers else None
-        return EngineRelayedError(status, detail, hint, headers=extra, param=param)
+                return EngineStateConflict(
+                    409, detail, hint or "retry when the engine is ENGINE.ROLLING")
+            return SwarmHTTPError(502, f"engine error: {detail}",
+                                  hint or "see the engine log: GET /runs/current/logs")
+        retry = headers.get("retry-after", "")
+        return error_for_status(status, detail, hint, param=param,
+                                retry_after_s=float(retry) if retry.isdigit() else None)
 
-    def _unreachable(self, action: str, exc: ChannelError) -> EngineStateError:
+    def _unreachable(self, action: str, exc: ChannelError) -> EngineStateConflict:
         log.info("engine did not answer %s: %s", action, exc)
-        return EngineStateError(
-            f"engine did not answer {action} ({exc.reason}); it is {self.engine.state}",
+        return EngineStateConflict(
+            409, f"engine did not answer {action} ({exc.reason}); it is {self.engine.state}",
             "check get_engine_status; retry once the engine is ENGINE.ROLLING",
-            headers={"Retry-After": "1"})
+            retry_after_s=1)
 
     def _step(self) -> int:
         step = self.engine.current_step() or 0
@@ -403,10 +393,10 @@ class EpisodeGateway:
             log.warning("episode gateway table full (%d): dropped closed entries of the "
                         "current batch", limit)
             return
-        raise EngineStateError(
-            f"the episode gateway tracks {len(self._episodes)} live episodes, its limit",
+        raise EngineStateConflict(
+            409, f"the episode gateway tracks {len(self._episodes)} live episodes, its limit",
             "end or abort episodes, retry in about 1 s, or raise "
-            "AJET_SWARM_MAX_GATEWAY_EPISODES", headers={"Retry-After": "1"})
+            "AJET_SWARM_MAX_GATEWAY_EPISODES", retry_after_s=1)
 
 
 def _error_parts(content: bytes) -> tuple[Any, str, str | None]:

@@ -11,7 +11,8 @@ A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
    the web console under `CONSOLE_PREFIX` (`/ui`, whose pages check their cookie
    session with `deps.ConsoleAuth`; sign-in and the style sheets need none): under
    `EPISODE_PREFIX` (`/v1/`) the signed episode key of a live episode
-   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`), at
+   (`EpisodeGateway.check_key`; as `Authorization: Bearer` or `x-api-key`; the episode id
+   it finds is left in the scope, `auth.EPISODE_SCOPE`, for the route), at
    `INDEX_PATH` (`/`) that or a reader token, everywhere else a token `auth.authenticate` accepts
    (including `/docs`, `/openapi.json` and unknown paths: 401, not 404). An anonymous
    caller gets nothing parsed, buffered or routed.
@@ -59,33 +60,26 @@ import asyncio
 import json
 import operator
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ajet.protocol import ErrorBody
+from ajet.errors import PayloadTooLarge, SwarmHTTPError, SwarmValidationError, error_response
 from swarm_server.auth import (
+    CREDENTIAL_SCOPE,
+    EPISODE_SCOPE,
     ControlRequirement,
     IndexRequirement,
     Requirement,
     authenticate,
     episode_key,
 )
-from swarm_server.errors import (
-    ApiError,
-    BadRequest,
-    EarlyRefusal,
-    HeadersTooLarge,
-    PayloadTooLarge,
-    RequestTimeout,
-    Unprocessable,
-    error_body,
-    is_anthropic_path,
-)
+from swarm_server.errors import EarlyRefusal, is_anthropic_path
 
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
@@ -121,6 +115,8 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _OPENERS = re.compile(rb"[\[{]")
 _FAIL_CLOSED = ControlRequirement()
+#: `asyncio.timeout` (Python 3.11+)
+_HAS_TIMEOUT = sys.version_info >= (3, 11)
 
 
 #: A `\\u` escape of a surrogate (D800-DFFF): only these can make a lone surrogate.
@@ -232,7 +228,7 @@ class BodyLimit:
 class AnonymousGate:
     """A route's check of an anonymous request from its headers (and client address),
     declared as a dependency like `BodyLimit`; the middleware calls `admit` before the
-    body is read. Raise an `ApiError` to refuse."""
+    body is read. Raise an `SwarmHTTPError` to refuse."""
 
     def admit(self, scope: Scope) -> None:
         raise NotImplementedError
@@ -255,13 +251,12 @@ class _RouteRules:
 
 @dataclass(frozen=True)
 class _Refusal:
-    error: ApiError
+    error: SwarmHTTPError
     openai: bool = False
     anthropic: bool = False
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = error_body(self.error, openai=self.openai, anthropic=self.anthropic)
-        response = JSONResponse(body, status_code=self.error.status, headers=self.error.headers)
+        response = error_response(self.error, openai=self.openai, anthropic=self.anthropic)
         await response(scope, receive, send)
 
 
@@ -299,7 +294,7 @@ class LimitsMiddleware:
         size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # ": " and CRLF
         if size <= limit:
             return None
-        return _Refusal(HeadersTooLarge(
+        return _Refusal(SwarmHTTPError(431,
             f"request headers of {size} bytes are over the server's {limit}-byte limit",
             "send fewer or shorter headers, or raise AJET_SWARM_MAX_HEADER_BYTES",
             headers={"Connection": "close"}))
@@ -311,12 +306,13 @@ class LimitsMiddleware:
         headers = Headers(scope=scope)
         try:
             if path.startswith(EPISODE_PREFIX):
-                self.ctx.episodes.check_key(episode_key(headers))
+                # verified once: the route's EpisodeKeyRequirement reads it from the scope
+                scope[EPISODE_SCOPE] = self.ctx.episodes.check_key(episode_key(headers))
             elif path == INDEX_PATH:
                 IndexRequirement().check(scope["app"].state, headers)
             else:
-                authenticate(self.settings, headers)
-        except ApiError as exc:
+                scope[CREDENTIAL_SCOPE] = authenticate(self.settings, headers)
+        except SwarmHTTPError as exc:
             return _Refusal(exc, **_shapes(path))
         return None
 
@@ -350,11 +346,11 @@ class LimitsMiddleware:
                             return {"type": "http.disconnect"}
                         self._check_json(body)
                         return {"type": "http.request", "body": body, "more_body": False}
-                except ApiError as exc:
+                except SwarmHTTPError as exc:
                     raise EarlyRefusal(exc, **_shapes(scope["path"])) from None
                 except asyncio.TimeoutError:
                     wait = self.settings.header_timeout_s
-                    raise EarlyRefusal(RequestTimeout(
+                    raise EarlyRefusal(SwarmHTTPError(408,
                         f"the body did not arrive within {wait:g} s",
                         "send the whole form at once", headers={"Connection": "close"}),
                         **_shapes(scope["path"])) from None
@@ -393,7 +389,7 @@ class LimitsMiddleware:
             requirements = (_FAIL_CLOSED,)
         headers = Headers(scope=scope)
         for requirement in requirements:
-            requirement.check(scope["app"].state, headers)
+            requirement.check_request(scope, scope["app"].state, headers)
         return False
 
     async def _read_body(self, scope: Scope, receive: Receive, rule: BodyLimit, *,
@@ -421,16 +417,18 @@ class LimitsMiddleware:
 
     def _check_json(self, body: bytes) -> None:
         if body and not _is_utf8(body):
-            raise BadRequest("request body is not UTF-8 text",
-                             "send JSON encoded as UTF-8 with Content-Type: application/json")
+            raise SwarmValidationError(
+                400, "request body is not UTF-8 text",
+                "send JSON encoded as UTF-8 with Content-Type: application/json")
         if body and json_too_deep(body, self.settings.max_json_depth):
-            raise BadRequest(f"JSON nested deeper than {self.settings.max_json_depth} levels",
-                             "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
+            raise SwarmValidationError(
+                400, f"JSON nested deeper than {self.settings.max_json_depth} levels",
+                "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
         bad = unencodable_field(body) if body else None
         if bad is not None:
             parts, why = bad
             field = _path(parts)
-            raise Unprocessable(
+            raise SwarmValidationError(422,
                 [{"loc": ["body", *parts], "msg": f"field {field}: {why}", "type": "value_error"}],
                 "send text as valid Unicode and numbers as finite JSON numbers (null where "
                 "there is none)", param=field)
@@ -438,9 +436,12 @@ class LimitsMiddleware:
     async def _next(self, receive: Receive) -> Message:
         wait = self.settings.request_body_timeout_s
         try:
+            if _HAS_TIMEOUT:  # a deadline on this task: no task per message, as wait_for makes
+                async with asyncio.timeout(wait):  # type: ignore[attr-defined,unused-ignore]
+                    return await receive()
             return await asyncio.wait_for(receive(), wait)
         except asyncio.TimeoutError as exc:
-            raise RequestTimeout(f"no request body bytes for {wait:g} s; the request was "
+            raise SwarmHTTPError(408, f"no request body bytes for {wait:g} s; the request was "
                                  "dropped", "send the whole body without pausing",
                                  headers={"Connection": "close"}) from exc
 
@@ -454,7 +455,7 @@ class LimitsMiddleware:
                 return await receive()
             try:
                 message = await self._next(receive)
-            except RequestTimeout:
+            except SwarmHTTPError:
                 done = True
                 return {"type": "http.disconnect"}
             if message["type"] != "http.request" or not message.get("more_body", False):
@@ -492,7 +493,7 @@ def _is_utf8(body: bytes) -> bool:
     return True
 
 
-def _too_large(size: int, limit: int, knob: str) -> ApiError:
-    return PayloadTooLarge(f"request body of {size} bytes is over the server's {limit}-byte "
+def _too_large(size: int, limit: int, knob: str) -> SwarmHTTPError:
+    return PayloadTooLarge(413, f"request body of {size} bytes is over the server's {limit}-byte "
                            "limit for this route", f"send less (page through it), or raise "
                            f"{knob}", headers={"Connection": "close"})

@@ -140,7 +140,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(docs.router)
     # The hot episode routes without FastAPI's routing (swarm_server.episode_lane), inside
     # the limits gate: it sees only requests that passed the first gate.
-    app.add_middleware(EpisodeLane, routes=episodes.LANE_ROUTES, router=episodes.router)
+    app.add_middleware(EpisodeLane, rows=episodes.EPISODE_ROUTES, router=episodes.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, ctx=ctx)
     return app

@@ -15,7 +15,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm_server.errors import Unprocessable
+from ajet.errors import SwarmValidationError
 from swarm_server.ledger import Ledger
 
 __all__ = ["Checkpoint", "ResumePoint", "complete_checkpoints", "last_checkpoint",
@@ -86,22 +86,22 @@ def saves_in_progress(run_dir: Path) -> list[str]:
 
 def resolve_resume(value: str, *, ledger: Ledger, experiment_name: str,
                    runs_dir: Path) -> ResumePoint:
-    """The checkpoint `resume_from: <value>` names; `Unprocessable` (422) when there is none."""
+    """The checkpoint `resume_from: <value>` names; `SwarmValidationError` (422) when there is none."""
     if value == "latest":
         runs, _ = ledger.list_runs(experiment_name=experiment_name, limit=_LATEST_RUNS)
         for rec in runs:  # newest first
             found = last_checkpoint(Path(rec.run_dir))
             if found is not None:
                 return ResumePoint(found, value)
-        raise Unprocessable(f"resume_from: latest, but no run of experiment "
-                            f"{experiment_name!r} has a complete checkpoint",
+        raise SwarmValidationError(422, f"resume_from: latest, but no run of experiment "
+                                   f"{experiment_name!r} has a complete checkpoint",
                        "start without resume_from, or name a run id or checkpoint directory; "
                        "list_runs shows the runs and their last_checkpoint")
     rec = ledger.get_run(value)
     if rec is not None:
         found = last_checkpoint(Path(rec.run_dir))
         if found is None:
-            raise Unprocessable(f"resume_from: run {value} left no complete checkpoint",
+            raise SwarmValidationError(422, f"resume_from: run {value} left no complete checkpoint",
                            "resume from an earlier run (list_runs shows each run's "
                            "last_checkpoint) or start without resume_from")
         return ResumePoint(found, value)
@@ -113,14 +113,16 @@ def resolve_resume(value: str, *, ledger: Ledger, experiment_name: str,
         # torch.distributed.checkpoint, whose metadata is a pickle
         path.resolve().relative_to(runs_dir.resolve())
     except ValueError:
-        raise Unprocessable(f"resume_from: {value!r} is outside the server's runs directory "
-                            f"{runs_dir}",
-                            "name a run id, 'latest', or a checkpoint of one of its runs; "
-                            "to start from other weights, set model to their directory") from None
+        raise SwarmValidationError(
+            422, f"resume_from: {value!r} is outside the server's runs directory "
+            f"{runs_dir}",
+            "name a run id, 'latest', or a checkpoint of one of its runs; "
+            "to start from other weights, set model to their directory") from None
     found = _read(path) if path.is_dir() else None
     if found is None:
-        raise Unprocessable(f"resume_from: {value!r} is neither a run id, 'latest', nor a "
-                            f"complete checkpoint directory (one holding {CHECKPOINT_FILE})",
-                       "pass a run id from list_runs, 'latest', or a checkpoint directory "
-                       "such as <run id>/checkpoints/step_20")
+        raise SwarmValidationError(
+            422, f"resume_from: {value!r} is neither a run id, 'latest', nor a "
+            f"complete checkpoint directory (one holding {CHECKPOINT_FILE})",
+            "pass a run id from list_runs, 'latest', or a checkpoint directory "
+            "such as <run id>/checkpoints/step_20")
     return ResumePoint(found, value)

@@ -20,8 +20,8 @@ anything:
 nothing the archive controls, hashing as it goes and re-checking the caps on the bytes
 actually produced, so a lying header cannot make it write more than the caps allow.
 
-Errors are `BadRequest` (400: malformed or forbidden content) or `PayloadTooLarge` (413:
-a cap was passed); the caller removes the staging folder either way.
+Errors are `SwarmValidationError` (400: malformed or forbidden content) or
+`PayloadTooLarge` (413: a cap was passed); the caller removes the staging folder either way.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ajet.packaging import member_path_problem, tree_problems
-from swarm_server.errors import BadRequest, PayloadTooLarge
+from ajet.errors import PayloadTooLarge, SwarmValidationError
 from swarm_server.settings import Settings
 
 __all__ = ["SafeZip", "ZipLimits", "ZipMember"]
@@ -88,12 +88,12 @@ class SafeZip:
         entries = _declared_entry_count(path, archive_size)
         # Folder entries are allowed too, hence the slack over max_files.
         if entries > 2 * limits.max_files + 16:
-            raise PayloadTooLarge(f"zip declares {entries} entries; the limit is "
+            raise PayloadTooLarge(413, f"zip declares {entries} entries; the limit is "
                                   f"{limits.max_files} files", _LIMIT_HINT)
         try:
             zf = zipfile.ZipFile(path)
         except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as exc:
-            raise BadRequest(f"not a readable zip archive: {exc}", _HINT) from exc
+            raise SwarmValidationError(400, f"not a readable zip archive: {exc}", _HINT) from exc
         try:
             files = _judge(zf.infolist(), limits, archive_size)
         except BaseException:
@@ -145,25 +145,27 @@ class SafeZip:
                     produced += len(chunk)
                     # Caps re-checked on real output: a header may lie about sizes.
                     if produced > info.file_size:
-                        raise BadRequest(f"{name}: inflates past its declared size", _HINT)
+                        raise SwarmValidationError(
+                            400, f"{name}: inflates past its declared size", _HINT)
                     if produced > lim.max_file_bytes:
-                        raise PayloadTooLarge(f"{name}: over the {lim.max_file_bytes}-byte "
+                        raise PayloadTooLarge(413, f"{name}: over the {lim.max_file_bytes}-byte "
                                               "file limit", _LIMIT_HINT)
                     if total_before + produced > lim.max_unpacked_bytes:
-                        raise PayloadTooLarge(f"zip unpacks to over {lim.max_unpacked_bytes} "
+                        raise PayloadTooLarge(413, f"zip unpacks to over {lim.max_unpacked_bytes} "
                                               "bytes", _LIMIT_HINT)
                     if (produced > _RATIO_FLOOR_BYTES
                             and produced / max(info.compress_size, 1) > lim.max_compression_ratio):
-                        raise PayloadTooLarge(f"{name}: compression ratio over "
+                        raise PayloadTooLarge(413, f"{name}: compression ratio over "
                                               f"{lim.max_compression_ratio:g}", _LIMIT_HINT)
                     digest.update(chunk)
                     out.write(chunk)
         except (zipfile.BadZipFile, EOFError, zlib.error, ValueError, NotImplementedError,
                 RuntimeError) as exc:
-            raise BadRequest(f"{name}: corrupt or truncated member ({exc})", _HINT) from exc
+            raise SwarmValidationError(
+                400, f"{name}: corrupt or truncated member ({exc})", _HINT) from exc
         if produced != info.file_size:
-            raise BadRequest(f"{name}: {produced} bytes, but the archive declares "
-                             f"{info.file_size}", _HINT)
+            raise SwarmValidationError(400, f"{name}: {produced} bytes, but the archive declares "
+                                       f"{info.file_size}", _HINT)
         return produced, digest.hexdigest()
 
 
@@ -218,30 +220,31 @@ def _judge(infos: list[zipfile.ZipInfo], limits: ZipLimits, archive_size: int
     if problems:
         shown = "; ".join(problems[:10])
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise BadRequest(f"zip refused: {shown}{more}", _HINT)
+        raise SwarmValidationError(400, f"zip refused: {shown}{more}", _HINT)
     if not files:
-        raise BadRequest("zip holds no files under ajet/", _HINT)
+        raise SwarmValidationError(400, "zip holds no files under ajet/", _HINT)
     if len(files) > limits.max_files:
-        raise PayloadTooLarge(f"zip holds {len(files)} files; the limit is {limits.max_files}",
+        raise PayloadTooLarge(413, f"zip holds {len(files)} files; the limit is {limits.max_files}",
                               _LIMIT_HINT)
     if compressed > archive_size:
-        raise BadRequest("zip members overlap (their compressed sizes exceed the archive)",
-                         _HINT)
+        raise SwarmValidationError(
+            400, "zip members overlap (their compressed sizes exceed the archive)",
+            _HINT)
     total = 0
     for info in files:
         if info.file_size > limits.max_file_bytes:
-            raise PayloadTooLarge(f"{info.orig_filename}: {info.file_size} bytes, over the "
+            raise PayloadTooLarge(413, f"{info.orig_filename}: {info.file_size} bytes, over the "
                                   f"{limits.max_file_bytes}-byte file limit", _LIMIT_HINT)
         if (info.file_size > _RATIO_FLOOR_BYTES
                 and info.file_size / max(info.compress_size, 1) > limits.max_compression_ratio):
-            raise PayloadTooLarge(f"{info.orig_filename}: compression ratio over "
+            raise PayloadTooLarge(413, f"{info.orig_filename}: compression ratio over "
                                   f"{limits.max_compression_ratio:g} (zip bomb?)", _LIMIT_HINT)
         total += info.file_size
     if total > limits.max_unpacked_bytes:
-        raise PayloadTooLarge(f"zip unpacks to {total} bytes; the limit is "
+        raise PayloadTooLarge(413, f"zip unpacks to {total} bytes; the limit is "
                               f"{limits.max_unpacked_bytes}", _LIMIT_HINT)
     if total > _RATIO_FLOOR_BYTES and total / max(compressed, 1) > limits.max_compression_ratio:
-        raise PayloadTooLarge(f"zip compression ratio over {limits.max_compression_ratio:g} "
+        raise PayloadTooLarge(413, f"zip compression ratio over {limits.max_compression_ratio:g} "
                               "(zip bomb?)", _LIMIT_HINT)
     return files
 
@@ -258,17 +261,18 @@ def _declared_entry_count(path: Path, archive_size: int) -> int:
         tail = fh.read(tail_len)
         at = tail.rfind(_EOCD_SIG)
         if at < 0 or len(tail) - at < 22:
-            raise BadRequest("not a zip archive (no end-of-central-directory record; "
-                             "truncated upload?)", _HINT)
+            raise SwarmValidationError(
+                400, "not a zip archive (no end-of-central-directory record; "
+                "truncated upload?)", _HINT)
         count = struct.unpack("<H", tail[at + 10: at + 12])[0]
         if count != 0xFFFF or at < 20 or tail[at - 20: at - 16] != _ZIP64_LOCATOR_SIG:
             return int(count)
         offset = struct.unpack("<Q", tail[at - 12: at - 4])[0]
         if offset + 56 > archive_size:
-            raise BadRequest("corrupt zip64 end-of-central-directory locator", _HINT)
+            raise SwarmValidationError(400, "corrupt zip64 end-of-central-directory locator", _HINT)
         fh.seek(offset)
         record = fh.read(56)
     if record[:4] != _ZIP64_EOCD_SIG:
-        raise BadRequest("corrupt zip64 end-of-central-directory record", _HINT)
+        raise SwarmValidationError(400, "corrupt zip64 end-of-central-directory record", _HINT)
     return int(struct.unpack("<Q", record[32:40])[0])
 

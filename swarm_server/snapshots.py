@@ -46,7 +46,7 @@ from pathlib import Path
 
 from ajet.packaging import file_kind_problem, member_path_problem, snapshot_id_of, tree_problems
 from ajet.protocol import SERVER_CODE, FileEntry, GCResult, Provenance, SnapshotPublic
-from swarm_server.errors import BadRequest, NotFound, PayloadTooLarge, Unprocessable
+from ajet.errors import PayloadTooLarge, SwarmNotFound, SwarmValidationError
 from swarm_server.ledger import Ledger, SnapshotRecord
 from swarm_server.settings import Settings
 from swarm_server.supervisor import child_env
@@ -169,8 +169,8 @@ class SnapshotStore:
                 return None
             rec = self.get(snapshot_id)
             if rec is None:
-                raise NotFound(f"no snapshot {snapshot_id} on this server",
-                               "GET /code/snapshots lists the snapshots")
+                raise SwarmNotFound(404, f"no snapshot {snapshot_id} on this server",
+                                    "GET /code/snapshots lists the snapshots")
             self.ledger.set_meta(ACTIVE_META_KEY, rec.id)
             log.info("activated snapshot %s at ./%s", rec.id[:12], rec.path)
             return rec
@@ -190,15 +190,17 @@ class SnapshotStore:
             return None
         ref = ref.strip().lower()
         if len(ref) < _MIN_PREFIX or any(c not in "0123456789abcdef" for c in ref):
-            raise BadRequest(f"{ref!r} is not a snapshot id, a prefix of at least {_MIN_PREFIX} "
-                             f"hex characters, or '{SERVER_CODE}'",
-                             "GET /code/snapshots lists the snapshot ids")
+            raise SwarmValidationError(
+                400, f"{ref!r} is not a snapshot id, a prefix of at least {_MIN_PREFIX} "
+                f"hex characters, or '{SERVER_CODE}'",
+                "GET /code/snapshots lists the snapshot ids")
         matches = [r for r in self.ledger.find_snapshots(ref) if self.folder(r).is_dir()]
         if not matches:
-            raise NotFound(f"no snapshot matches {ref!r}", "GET /code/snapshots lists them")
+            raise SwarmNotFound(
+                404, f"no snapshot matches {ref!r}", "GET /code/snapshots lists them")
         if len(matches) > 1:
-            raise BadRequest(f"{ref!r} matches {len(matches)} snapshots",
-                             "give more characters of the snapshot id")
+            raise SwarmValidationError(400, f"{ref!r} matches {len(matches)} snapshots",
+                                       "give more characters of the snapshot id")
         return matches[0]
 
     def records(self) -> list[SnapshotRecord]:
@@ -284,9 +286,9 @@ class SnapshotStore:
         """The manifest, checked against the naming rules and the server's caps."""
         s = self.settings
         if not files:
-            raise BadRequest("empty manifest", "send at least one file under ajet/")
+            raise SwarmValidationError(400, "empty manifest", "send at least one file under ajet/")
         if len(files) > s.max_files:
-            raise PayloadTooLarge(f"{len(files)} files; the limit is {s.max_files}",
+            raise PayloadTooLarge(413, f"{len(files)} files; the limit is {s.max_files}",
                                   "raise AJET_SWARM_MAX_FILES on the server")
         problems = [f"{e.path!r}: {why}" for e in files
                     if (why := member_path_problem(e.path) or file_kind_problem(
@@ -298,17 +300,18 @@ class SnapshotStore:
         if problems:
             shown = "; ".join(problems[:10])
             more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-            raise BadRequest(f"manifest refused: {shown}{more}",
-                             "only regular files under ajet/ with plain POSIX names, and no "
-                             "file that runs without reviewable source (.pyc, __pycache__/, "
-                             ".pth; .so/.pyd unless the server allows them)")
+            raise SwarmValidationError(
+                400, f"manifest refused: {shown}{more}",
+                "only regular files under ajet/ with plain POSIX names, and no "
+                "file that runs without reviewable source (.pyc, __pycache__/, "
+                ".pth; .so/.pyd unless the server allows them)")
         for e in files:
             if e.size > s.max_file_bytes:
-                raise PayloadTooLarge(f"{e.path}: {e.size} bytes, over the {s.max_file_bytes}-"
+                raise PayloadTooLarge(413, f"{e.path}: {e.size} bytes, over the {s.max_file_bytes}-"
                                       "byte file limit", "raise AJET_SWARM_MAX_FILE_BYTES")
         total = sum(e.size for e in files)
         if total > s.max_unpacked_bytes:
-            raise PayloadTooLarge(f"{total} bytes in all; the limit is {s.max_unpacked_bytes}",
+            raise PayloadTooLarge(413, f"{total} bytes in all; the limit is {s.max_unpacked_bytes}",
                                   "raise AJET_SWARM_MAX_UNPACKED_BYTES")
         return list(files)
 
@@ -330,7 +333,8 @@ class SnapshotStore:
                 return existing, True, timings
             missing = self.missing_blobs(entries)
             if missing:
-                raise BadRequest(
+                raise SwarmValidationError(
+                    400,
                     {"message": f"{len(missing)} blob(s) of the manifest are not on the server",
                      "missing": missing[:100]},
                     "POST /code/manifest, upload the missing blobs to POST /code/blobs, "
@@ -340,7 +344,8 @@ class SnapshotStore:
             # blob would let the real bytes pass max_file_bytes / max_unpacked_bytes.
             lying = [e.path for e in entries if self.blob_path(e.sha256).stat().st_size != e.size]
             if lying:
-                raise BadRequest(
+                raise SwarmValidationError(
+                    400,
                     f"manifest size differs from the uploaded content for: {', '.join(lying[:10])}",
                     "send each file's real size (ajet.packaging.package_tree computes it)",
                 )
@@ -419,7 +424,7 @@ class SnapshotStore:
         # The path passed member_path_problem; check once more as a last line of defence
         # (`root` is resolved and fresh, so only '..' or a symlink could escape it).
         if not os.path.realpath(dest.parent).startswith(str(root) + os.sep):
-            raise BadRequest(f"{entry.path}: escapes the snapshot folder")
+            raise SwarmValidationError(400, f"{entry.path}: escapes the snapshot folder")
         dest.parent.mkdir(parents=True, exist_ok=True)
         digest = hashlib.sha256()
         written = 0
@@ -427,12 +432,13 @@ class SnapshotStore:
             while chunk := src.read(_CHUNK):
                 written += len(chunk)
                 if written > entry.size:  # never write more than the caps were checked on
-                    raise BadRequest(f"{entry.path}: content is larger than its manifest size")
+                    raise SwarmValidationError(
+                        400, f"{entry.path}: content is larger than its manifest size")
                 digest.update(chunk)
                 out.write(chunk)
         if digest.hexdigest() != entry.sha256:
-            raise Unprocessable(f"blob {entry.sha256} is corrupt in the server's store",
-                                "POST /code/gc, then sync again to re-upload it")
+            raise SwarmValidationError(422, f"blob {entry.sha256} is corrupt in the server's store",
+                                       "POST /code/gc, then sync again to re-upload it")
         os.chmod(dest, owner_only(entry.mode))  # 0o644 -> 0o600: private (swarm_server.workdir)
 
     def _compile(self, entries: Sequence[FileEntry], root: Path, shown_as: Path) -> int:
@@ -569,11 +575,11 @@ class SnapshotStore:
         return removed
 
 
-def _compile_refusal(output: str, base: Path) -> Unprocessable:
+def _compile_refusal(output: str, base: Path) -> SwarmValidationError:
     # Name files as ajet/..., the way the client knows them.
     output = output.replace(str(base) + os.sep, "")
-    return Unprocessable(
-        {"message": "the synced code does not compile", "output": output[-2000:]},
+    return SwarmValidationError(
+        422, {"message": "the synced code does not compile", "output": output[-2000:]},
         "fix the syntax error(s) named above and sync again; nothing was activated",
     )
 

@@ -29,11 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from swarm_server.errors import ApiError, BadRequest, PayloadTooLarge
+from ajet.errors import PayloadTooLarge, SwarmHTTPError, SwarmValidationError
 
 __all__ = [
     "BlobStreamParser",
-    "InsufficientStorage",
     "StagedBlob",
     "check_free_disk",
     "declared_length",
@@ -45,12 +44,6 @@ _HEADER = re.compile(rb"^([0-9a-f]{64}) (0|[1-9][0-9]{0,11})$")
 _MAX_HEADER = 80  # 64 hex + space + 12 digits + slack
 
 
-class InsufficientStorage(ApiError):
-    """507: the server's disk is too full to take this upload (not the client's fault)."""
-
-    status = 507
-
-
 def declared_length(content_length: str | None, *, limit: int) -> int | None:
     """The request's Content-Length, refused up front when it passes `limit`."""
     if content_length is None:
@@ -58,12 +51,12 @@ def declared_length(content_length: str | None, *, limit: int) -> int | None:
     try:
         n = int(content_length)
     except ValueError as exc:
-        raise BadRequest(f"bad Content-Length {content_length!r}") from exc
+        raise SwarmValidationError(400, f"bad Content-Length {content_length!r}") from exc
     if n < 0:
-        raise BadRequest(f"bad Content-Length {content_length!r}")
+        raise SwarmValidationError(400, f"bad Content-Length {content_length!r}")
     if n > limit:
         raise PayloadTooLarge(
-            f"upload of {n} bytes is over the server's {limit}-byte limit",
+            413, f"upload of {n} bytes is over the server's {limit}-byte limit",
             "sync fewer or smaller files, or raise AJET_SWARM_MAX_UPLOAD_BYTES on the server",
         )
     return n
@@ -74,8 +67,8 @@ def check_free_disk(where: Path, *, needed: int, keep_free: int) -> None:
     where.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(where).free
     if free - needed < keep_free:
-        raise InsufficientStorage(
-            f"not enough free disk on the server: {free} bytes free, {needed} needed, "
+        raise SwarmHTTPError(  # 507: the server's disk, not the client's fault
+            507, f"not enough free disk on the server: {free} bytes free, {needed} needed, "
             f"{keep_free} kept in reserve",
             "free disk on the server (POST /code/gc removes old snapshots) and sync again",
         )
@@ -93,8 +86,8 @@ def disk_full_is_507() -> Iterator[None]:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise InsufficientStorage(
-            f"the server's disk filled up while writing ({exc.strerror})",
+        raise SwarmHTTPError(
+            507, f"the server's disk filled up while writing ({exc.strerror})",
             "free disk on the server (POST /code/gc removes old snapshots) and sync again",
         ) from exc
 
@@ -107,7 +100,7 @@ async def spool_body(chunks: AsyncIterator[bytes], dest: Path, *, limit: int) ->
             received += len(chunk)
             if received > limit:
                 raise PayloadTooLarge(
-                    f"upload passed the server's {limit}-byte limit",
+                    413, f"upload passed the server's {limit}-byte limit",
                     "sync fewer or smaller files, or raise AJET_SWARM_MAX_UPLOAD_BYTES",
                 )
             fh.write(chunk)
@@ -162,8 +155,8 @@ class BlobStreamParser:
     def finish(self) -> list[StagedBlob]:
         if self._sha is not None or self._header:
             self._close_out()
-            raise BadRequest(
-                "blob stream ended inside a record (truncated upload)",
+            raise SwarmValidationError(
+                400, "blob stream ended inside a record (truncated upload)",
                 "send each blob as '<sha256> <size>\\n' followed by exactly <size> bytes",
             )
         return list(self.staged.values())
@@ -179,25 +172,25 @@ class BlobStreamParser:
         if end < 0:
             self._header += view
             if len(self._header) > _MAX_HEADER:
-                raise BadRequest("bad blob header: no newline within 80 bytes",
-                                 "each record starts with '<sha256> <size>\\n'")
+                raise SwarmValidationError(400, "bad blob header: no newline within 80 bytes",
+                                           "each record starts with '<sha256> <size>\\n'")
             return view[len(view):]
         self._header += view[:end]
         rest = view[end + 1:]
         match = _HEADER.match(bytes(self._header))
         self._header.clear()
         if match is None:
-            raise BadRequest("bad blob header; expected '<64 lowercase hex> <size>'",
-                             "each record starts with '<sha256> <size>\\n'")
+            raise SwarmValidationError(400, "bad blob header; expected '<64 lowercase hex> <size>'",
+                                       "each record starts with '<sha256> <size>\\n'")
         sha, size = match.group(1).decode(), int(match.group(2))
         if size > self._max_blob_bytes:
             raise PayloadTooLarge(
-                f"blob {sha} is {size} bytes, over the {self._max_blob_bytes}-byte file limit",
+                413, f"blob {sha} is {size} bytes, over the {self._max_blob_bytes}-byte file limit",
                 "keep large files out of ajet/ or raise AJET_SWARM_MAX_FILE_BYTES",
             )
         self._count += 1
         if self._count > self._max_blobs:
-            raise PayloadTooLarge(f"more than {self._max_blobs} blobs in one upload",
+            raise PayloadTooLarge(413, f"more than {self._max_blobs} blobs in one upload",
                                   "upload in several requests")
         self._sha, self._left, self._digest = sha, size, hashlib.sha256()
         if sha not in self.staged and not self._have(sha):
@@ -214,8 +207,8 @@ class BlobStreamParser:
         path = self._out_path
         self._close_out()
         if self._digest.hexdigest() != sha:
-            raise BadRequest(
-                f"blob content does not match its sha256 {sha}",
+            raise SwarmValidationError(
+                400, f"blob content does not match its sha256 {sha}",
                 "hash the exact bytes you send; re-run the sync if the file changed meanwhile",
             )
         if path is not None:

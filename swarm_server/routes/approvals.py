@@ -33,9 +33,9 @@ from ajet.protocol import (
     ErrorBody,
     ReviewPage,
 )
+from ajet.errors import SwarmHTTPError, SwarmNotFound, SwarmValidationError
 from swarm_server.context import ServerContext
 from swarm_server.deps import ApproverAuth, Ctx
-from swarm_server.errors import ApiError, BadRequest, NotFound
 from swarm_server.ledger import SnapshotRecord
 
 __all__ = ["decide", "router"]
@@ -110,7 +110,7 @@ def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: 
         result, reopened = ctx.approvals.decide_cascading(rec, decision, approver=approver,
                                                           note=note, confirm=confirm,
                                                           base=base)
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         ctx.ledger.audit(action, f"approver:{approver}", f"refused: {str(detail)[:300]}",
@@ -131,19 +131,20 @@ def _exact(ctx: ServerContext, ref: str) -> SnapshotRecord:
     """The snapshot named by its full id: a decision never resolves a prefix (another
     snapshot could be uploaded with the same first characters between review and decision)."""
     if not _FULL_ID.fullmatch(ref):
-        raise BadRequest(f"{ref[:64]!r} is not a full snapshot id: decisions take all 64 hex "
-                         "characters", "`ajet-swarm approvals show PREFIX` (or GET "
-                         "/approvals/PREFIX) prints the full id to decide on")
+        raise SwarmValidationError(
+            400, f"{ref[:64]!r} is not a full snapshot id: decisions take all 64 hex "
+            "characters", "`ajet-swarm approvals show PREFIX` (or GET "
+            "/approvals/PREFIX) prints the full id to decide on")
     rec = ctx.snapshots.get(ref)
     if rec is None:
-        raise NotFound(f"no snapshot {ref[:12]}... is stored",
-                       "GET /approvals lists the pending snapshots")
+        raise SwarmNotFound(404, f"no snapshot {ref[:12]}... is stored",
+                            "GET /approvals lists the pending snapshots")
     return rec
 
 
 def _snapshot(ctx: ServerContext, ref: str) -> SnapshotRecord:
     rec = ctx.snapshots.resolve(ref)
     if rec is None:
-        raise NotFound("the server's own code needs no approval",
-                       "GET /approvals lists the pending snapshots")
+        raise SwarmNotFound(404, "the server's own code needs no approval",
+                            "GET /approvals lists the pending snapshots")
     return rec

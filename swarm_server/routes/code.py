@@ -17,7 +17,7 @@ control token; sync, activate and GC are written to the audit log.
 
 With approvers configured (`swarm_server.approvals`), a snapshot no approver approved is
 stored but never activated: commit and zip sync store it, then answer 409
-(`ApprovalRequired`, `detail.approval_state`, where to approve); `activate: false` on a
+(`ApprovalPending`, `detail.approval_state`, where to approve); `activate: false` on a
 commit stores it for review without asking to activate. The server's own code is listed
 and served (`GET /code/server`, `GET /code/server/blobs/{sha256}`) to the control token and
 approvers, so the other side of a first sync's review is the server's real files.
@@ -57,15 +57,15 @@ from ajet.protocol import (
     SnapshotPublic,
     SnapshotsPage,
 )
+from ajet.errors import (
+    EngineStateConflict,
+    PayloadTooLarge,
+    SwarmHTTPError,
+    SwarmNotFound,
+    SwarmValidationError,
+)
 from swarm_server.context import ServerContext
 from swarm_server.deps import ControlAuth, Ctx, ReviewerAuth
-from swarm_server.errors import (
-    ApiError,
-    BadRequest,
-    EngineStateError,
-    NotFound,
-    PayloadTooLarge,
-)
 from swarm_server.ledger import SnapshotRecord
 from swarm_server.limits import STREAMED_BODY
 from swarm_server.safe_zip import SafeZip, ZipLimits
@@ -131,7 +131,7 @@ async def sync_train_code(
                 received = await spool_body(request.stream(), body,
                                             limit=settings.max_upload_bytes)
             except ClientDisconnect as exc:
-                raise BadRequest("upload interrupted", "send the zip again") from exc
+                raise SwarmValidationError(400, "upload interrupted", "send the zip again") from exc
             upload_s = time.perf_counter() - started
             host = request.client.host if request.client else None
             result = await run_in_threadpool(_sync_zip, ctx, body, tmp / "staging",
@@ -191,7 +191,8 @@ async def code_blobs(request: Request, ctx: Ctx, role: ControlAuth) -> BlobsUplo
                 parser.feed(chunk)
             staged = parser.finish()
         except ClientDisconnect as exc:
-            raise BadRequest("upload interrupted", "upload the missing blobs again") from exc
+            raise SwarmValidationError(
+                400, "upload interrupted", "upload the missing blobs again") from exc
         finally:
             parser.close()
         stored = await run_in_threadpool(store.adopt_blobs, staged)
@@ -213,8 +214,8 @@ def code_commit(body: CommitRequest, ctx: Ctx, role: ControlAuth) -> CodeSyncRes
         entries = store.validate_manifest(body.files)
         snapshot_id = snapshot_id_of(entries)
         if snapshot_id != body.snapshot_id:
-            raise BadRequest(
-                f"snapshot_id {body.snapshot_id} does not match the manifest ({snapshot_id})",
+            raise SwarmValidationError(
+                400, f"snapshot_id {body.snapshot_id} does not match the manifest ({snapshot_id})",
                 "compute it with ajet.packaging.snapshot_id_of over the same files",
             )
         # Unapproved content is stored whatever the engine does (an approver reviews the
@@ -270,9 +271,9 @@ def get_snapshot(snapshot_ref: Annotated[str, PathParam(max_length=64)], ctx: Ct
                  role: ControlAuth) -> SnapshotPublic:
     rec = ctx.snapshots.resolve(snapshot_ref)
     if rec is None:
-        raise NotFound("the server's own code is not a snapshot",
-                       "GET /code/server lists the server's own ajet/; GET /code/snapshots "
-                       "lists snapshots")
+        raise SwarmNotFound(404, "the server's own code is not a snapshot",
+                            "GET /code/server lists the server's own ajet/; GET /code/snapshots "
+                            "lists snapshots")
     return _public(ctx, rec, files=True)
 
 
@@ -292,8 +293,8 @@ def get_server_blob(sha256: Annotated[str, PathParam(pattern=_SHA256)], ctx: Ctx
                     role: ReviewerAuth) -> FileResponse:
     path = ctx.approvals.server_code.path_of(sha256)
     if path is None:
-        raise NotFound(f"no file with sha256 {sha256} in the server's own ajet/",
-                       "GET /code/server lists its files and their sha256")
+        raise SwarmNotFound(404, f"no file with sha256 {sha256} in the server's own ajet/",
+                            "GET /code/server lists its files and their sha256")
     return FileResponse(path, media_type="application/octet-stream")
 
 
@@ -304,8 +305,8 @@ def get_blob(sha256: Annotated[str, PathParam(pattern=_SHA256)], ctx: Ctx,
              role: ControlAuth) -> FileResponse:
     path = ctx.snapshots.blob_path(sha256)
     if not path.is_file():
-        raise NotFound(f"no blob {sha256} on this server",
-                       "GET /code lists the active snapshot's files and their sha256")
+        raise SwarmNotFound(404, f"no blob {sha256} on this server",
+                            "GET /code lists the active snapshot's files and their sha256")
     return FileResponse(path, media_type="application/octet-stream")
 
 
@@ -416,8 +417,8 @@ def _require_offline_or_restart(ctx: ServerContext, force_restart: bool) -> None
     # An early, cheap refusal; swap_code checks again under the engine's lock.
     state = ctx.engine.state
     if state != EngineState.OFFLINE and not force_restart:
-        raise EngineStateError(
-            f"engine is {state}; code can change only while {EngineState.OFFLINE}",
+        raise EngineStateConflict(
+            409, f"engine is {state}; code can change only while {EngineState.OFFLINE}",
             "call stop_engine first or pass force_restart=True",
         )
 
@@ -426,7 +427,7 @@ def _auto_gc(ctx: ServerContext, role: str) -> None:
     """Keep disk bounded as an agent syncs again and again."""
     try:
         result = ctx.snapshots.gc()
-    except (ApiError, OSError) as exc:
+    except (SwarmHTTPError, OSError) as exc:
         log.warning("automatic snapshot GC failed: %s", exc)
         return
     if result.removed_snapshots or result.removed_blobs:
@@ -434,8 +435,8 @@ def _auto_gc(ctx: ServerContext, role: str) -> None:
                                             "removed_blobs": result.removed_blobs})
 
 
-def _too_large(limit: int) -> ApiError:
-    return PayloadTooLarge(f"upload passed the server's {limit}-byte limit",
+def _too_large(limit: int) -> SwarmHTTPError:
+    return PayloadTooLarge(413, f"upload passed the server's {limit}-byte limit",
                            "upload in several requests, or raise AJET_SWARM_MAX_UPLOAD_BYTES")
 
 
@@ -445,7 +446,7 @@ def _audited(ctx: ServerContext, action: str, role: str, detail: dict[str, Any]
     """Append the action's outcome to the audit log, whatever it is."""
     try:
         yield
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         kind = "refused" if exc.status < 500 else "failed"
         ctx.ledger.audit(action, role, f"{kind}: {_short(exc.detail)}", detail)
         raise

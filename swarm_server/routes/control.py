@@ -21,8 +21,8 @@ from ajet.protocol import (
     SyncConfigRequest,
     VersionResponse,
 )
+from ajet.errors import SwarmNotFound
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
-from swarm_server.errors import NotFound
 
 __all__ = ["router"]
 
@@ -77,8 +77,8 @@ def get_train_config(ctx: Ctx, _: ReaderAuth) -> ConfigAccepted:
     """The stored job config: what the next `start_engine` runs with."""
     current = ctx.engine.current_config()
     if current is None:
-        raise NotFound("no training config was sent to this server yet",
-                       "call sync_train_config with an AgentJetJob YAML")
+        raise SwarmNotFound(404, "no training config was sent to this server yet",
+                            "call sync_train_config with an AgentJetJob YAML")
     return current
 
 

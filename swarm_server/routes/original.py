@@ -32,8 +32,8 @@ from ajet.compat.wire import (
     EpisodeBufferResponse,
 )
 from ajet.protocol import BeginEpisodeRequest, EngineState, ErrorBody
+from ajet.errors import SwarmHTTPError, SwarmValidationError
 from swarm_server.deps import Ctx, WorkerAuth
-from swarm_server.errors import ApiError, Unprocessable
 
 __all__ = ["router"]
 
@@ -51,9 +51,9 @@ async def claim_episode(ctx: Ctx, _: WorkerAuth, request: Request, body: ClaimEp
     """Claim an episode for `client_uuid`. A claim the engine cannot serve now is
     `success: false` with the original's `fail_cause` (its client backs off on it)."""
     if body.episode_type not in ("train", "eval"):
-        raise Unprocessable([{"loc": ["body", "episode_type"], "type": "value_error",
+        raise SwarmValidationError(422, [{"loc": ["body", "episode_type"], "type": "value_error",
                               "msg": f"Unknown episode_type: {body.episode_type}"}],
-                            "send episode_type 'train' or 'eval'")
+                                   "send episode_type 'train' or 'eval'")
     policy = body.throttle_policy
     claim = BeginEpisodeRequest(
         discard_episode_timeout=body.discard_episode_timeout,
@@ -61,7 +61,7 @@ async def claim_episode(ctx: Ctx, _: WorkerAuth, request: Request, body: ClaimEp
         client_uuid=body.client_uuid, task_id=policy.current_task_id if policy else None)
     try:
         episode = await ctx.episodes.begin(claim, public_base_url=str(request.base_url))
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         if exc.status != 409:
             raise
         state = ctx.engine.state

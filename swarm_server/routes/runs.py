@@ -36,12 +36,17 @@ from ajet.protocol import (
     SamplePublic,
     SamplesPage,
 )
+from ajet.errors import (
+    EngineStateConflict,
+    PayloadTooLarge,
+    SwarmHTTPError,
+    SwarmNotFound,
+    SwarmValidationError,
+)
 from swarm_server.context import ServerContext
 from swarm_server.checkpoint_files import TarLayout, checkpoint_dir, checkpoint_manifest, \
     list_checkpoints
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
-from swarm_server.errors import ApiError, BadRequest, EngineStateError, NotFound, \
-    PayloadTooLarge
 from swarm_server.ledger import OPEN_RUN_STATUSES, RunRecord
 from swarm_server.run_files import (
     LogPattern,
@@ -154,13 +159,15 @@ def get_logs(
     pattern: LogPattern | None = None
     if grep and regex:
         if len(grep) > MAX_REGEX_CHARS:
-            raise BadRequest(f"regex longer than {MAX_REGEX_CHARS} characters",
-                             "shorten the pattern, or search a plain substring (regex=false)")
+            raise SwarmValidationError(
+                400, f"regex longer than {MAX_REGEX_CHARS} characters",
+                "shorten the pattern, or search a plain substring (regex=false)")
         try:
             pattern = compile_log_regex(grep)
         except ValueError as exc:
-            raise BadRequest(f"invalid regex {grep!r}: {exc}",
-                             "fix the pattern, or search a plain substring (regex=false)") from exc
+            raise SwarmValidationError(
+                400, f"invalid regex {grep!r}: {exc}",
+                "fix the pattern, or search a plain substring (regex=false)") from exc
     rec = _resolve(ctx, run_id)
     budget = ctx.settings.log_regex_timeout_s
     try:
@@ -169,9 +176,9 @@ def get_logs(
             grep=grep if grep and not regex else None, pattern=pattern, budget_s=budget,
             redact=ctx.settings.secret_values())
     except LogSearchTimeout as exc:
-        raise BadRequest(f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
-                         "use a simpler pattern (no nested or overlapping repetition), "
-                         "search a plain substring (regex=false), or lower tail") from exc
+        raise SwarmValidationError(400, f"{exc} (AJET_SWARM_LOG_REGEX_TIMEOUT_S)",
+                                   "use a simpler pattern (no nested or overlapping repetition), "
+                                   "search a plain substring (regex=false), or lower tail") from exc
     return LogsResponse(run_id=rec.id, lines=lines, total_lines=total, truncated=truncated)
 
 
@@ -198,10 +205,10 @@ def get_samples(
                                                    max_bytes=MAX_SAMPLES_BYTES)
     except FileNotFoundError:
         steps = sample_steps(folder)
-        raise NotFound(f"run {rec.id} has no samples for step {step}",
-                       f"steps with samples: {_ranges(steps)}" if steps else
-                       "samples are written at each training step; read metrics for the "
-                       "steps done (GET /runs/{id}/metrics)") from None
+        raise SwarmNotFound(404, f"run {rec.id} has no samples for step {step}",
+                            f"steps with samples: {_ranges(steps)}" if steps else
+                            "samples are written at each training step; read metrics for the "
+                            "steps done (GET /runs/{id}/metrics)") from None
     return SamplesPage(run_id=rec.id, step=step, samples=[SamplePublic.model_validate(s)
                                                           for s in samples],
                        total=total, offset=offset, next_offset=next_offset)
@@ -230,8 +237,8 @@ def _resolve(ctx: ServerContext, run_id: str) -> RunRecord:
     rec = ctx.ledger.get_run(wanted) if wanted else None
     if rec is None:
         if run_id == CURRENT:
-            raise NotFound("no run yet", "call sync_train_config and start_engine first")
-        raise NotFound(f"no run {run_id!r}", "call list_runs (GET /runs) for the run ids")
+            raise SwarmNotFound(404, "no run yet", "call sync_train_config and start_engine first")
+        raise SwarmNotFound(404, f"no run {run_id!r}", "call list_runs (GET /runs) for the run ids")
     return rec
 
 
@@ -275,10 +282,6 @@ CheckpointName = Annotated[str, Path(max_length=40, pattern=r"^(final|step_\d{1,
                                      description="final or step_<n> (GET .../checkpoints)")]
 
 
-class RangeNotSatisfiable(ApiError):
-    status = 416
-
-
 @router.get("/runs/{run_id}/checkpoints", responses=_ERRORS)
 def get_checkpoints(ctx: Ctx, _: ReaderAuth, run_id: RunId) -> CheckpointsPage:
     """A run's checkpoints: name, step, kind, size, complete or not."""
@@ -315,12 +318,12 @@ def get_checkpoint_archive(
     and owners 0: the same bytes every time, so `Range: bytes=N-` resumes a download."""
     rec, folder = _checkpoint(ctx, run_id, name)
     if name.endswith(".partial") or not (folder / "ajet_checkpoint.json").is_file():
-        raise EngineStateError(f"checkpoint {name} of run {rec.id} is not complete",
-                               f"download a complete one (GET /runs/{rec.id}/checkpoints)")
+        raise EngineStateConflict(409, f"checkpoint {name} of run {rec.id} is not complete",
+                                  f"download a complete one (GET /runs/{rec.id}/checkpoints)")
     layout = TarLayout(folder, name)
     if layout.size > ctx.settings.max_checkpoint_archive_bytes:
         raise PayloadTooLarge(
-            f"checkpoint {name} is {layout.size} bytes, over the server's bound of "
+            413, f"checkpoint {name} is {layout.size} bytes, over the server's bound of "
             f"{ctx.settings.max_checkpoint_archive_bytes}",
             "copy it on the cluster, or raise AJET_SWARM_MAX_CHECKPOINT_ARCHIVE_BYTES")
     files = checkpoint_manifest(folder, ctx.engine.run_dir(rec.id) / ".checkpoint_manifests")
@@ -344,8 +347,8 @@ def _checkpoint(ctx: ServerContext, run_id: str, name: str) -> tuple[RunRecord, 
     rec = _resolve(ctx, run_id)
     folder = checkpoint_dir(ctx.engine.run_dir(rec.id), name)
     if folder is None:
-        raise NotFound(f"run {rec.id} has no checkpoint {name!r}",
-                       f"list them with GET /runs/{rec.id}/checkpoints")
+        raise SwarmNotFound(404, f"run {rec.id} has no checkpoint {name!r}",
+                            f"list them with GET /runs/{rec.id}/checkpoints")
     return rec, folder
 
 
@@ -358,9 +361,9 @@ def _byte_range(header: str, size: int) -> tuple[int, int]:
     """[start, end) of a single `bytes=a-b`, `bytes=a-` or `bytes=-n` range."""
     match = re.fullmatch(r"bytes=(\d*)-(\d*)", header.strip())
     if not match or match.groups() == ("", ""):
-        raise RangeNotSatisfiable(f"Range {header!r} is not one byte range",
-                                  "send Range: bytes=START- (or START-END)",
-                                  headers={"Content-Range": f"bytes */{size}"})
+        raise SwarmHTTPError(416, f"Range {header!r} is not one byte range",
+                             "send Range: bytes=START- (or START-END)",
+                             headers={"Content-Range": f"bytes */{size}"})
     first, last = match.groups()
     if first == "":
         start, end = max(0, size - int(last)), size
@@ -368,9 +371,9 @@ def _byte_range(header: str, size: int) -> tuple[int, int]:
         start = int(first)
         end = min(size, int(last) + 1) if last else size
     if start >= size or start >= end:
-        raise RangeNotSatisfiable(f"Range {header!r} is outside the archive ({size} bytes)",
-                                  "resume from a byte before the archive's size",
-                                  headers={"Content-Range": f"bytes */{size}"})
+        raise SwarmHTTPError(416, f"Range {header!r} is outside the archive ({size} bytes)",
+                             "resume from a byte before the archive's size",
+                             headers={"Content-Range": f"bytes */{size}"})
     return start, end
 
 

@@ -37,10 +37,10 @@ from starlette.datastructures import Headers
 
 from ajet.code_review import escape_text
 from ajet.protocol import SERVER_CODE, EngineState
+from ajet.errors import SwarmAuthError, SwarmHTTPError, SwarmNotFound
 from swarm_server.auth import approver_of, bearer_token, role_of
 from swarm_server.context import ServerContext
 from swarm_server.deps import ConsoleAuth, Ctx
-from swarm_server.errors import ApiError, Forbidden, NotFound
 from swarm_server.limits import ANONYMOUS_BODY_BYTES, AnonymousGate, BodyLimit
 from swarm_server.ledger import RunRecord, SnapshotRecord
 from swarm_server.routes.approvals import decide
@@ -120,10 +120,6 @@ def _foreign_origin(scope: Any) -> str | None:
     return None if netloc in ours else origin
 
 
-class _TooManySignIns(ApiError):
-    status = 429
-
-
 @dataclass(frozen=True)
 class SignInGate(AnonymousGate):
     """Whether a sign-in may proceed, from its headers alone: the limits middleware asks
@@ -143,15 +139,14 @@ class SignInGate(AnonymousGate):
             if first:  # one entry per source and window, not one per refused attempt
                 ledger.audit("console_sign_in", "anonymous", "refused: rate limited",
                              {"source": source})
-            raise _TooManySignIns(f"too many sign-in attempts; wait {wait_s:.0f} s",
-                                  "sign in again after the wait",
-                                  headers={"Retry-After": str(max(1, round(wait_s)))})
+            raise SwarmHTTPError(429, f"too many sign-in attempts; wait {wait_s:.0f} s",
+                                 "sign in again after the wait", retry_after_s=wait_s)
         foreign = _foreign_origin(scope)
         if foreign is not None:
             ledger.audit("console_sign_in", "anonymous", "refused: another origin",
                          {"source": source, "origin": foreign[:200]})
-            raise Forbidden("this sign-in form was sent from another site",
-                            "open the console at its own address and sign in there")
+            raise SwarmAuthError(403, "this sign-in form was sent from another site",
+                                 "open the console at its own address and sign in there")
 
 
 @router.get("")
@@ -234,7 +229,7 @@ def _changes(ctx: ServerContext, snapshot_id: str) -> _Changes:
         return _Changes([], 0, 0, 0, 0, error="no longer stored")
     try:
         review, _, _ = ctx.approvals.review(rec)
-    except (ApiError, OSError) as exc:
+    except (SwarmHTTPError, OSError) as exc:
         log.warning("review of snapshot %s failed: %s", snapshot_id[:12], exc)
         return _Changes([], 0, 0, 0, 0, error="review unavailable; open the snapshot")
     files = [(f.path, f.kind.value, f.added, f.removed) for f in review.files]
@@ -314,7 +309,7 @@ def decide_form(
     try:
         decide(ctx, rec, decision, approver=session.name, note=note, confirm=rec.id,
                base=base_id or None)
-    except ApiError as exc:
+    except SwarmHTTPError as exc:
         detail = exc.detail.get("message", exc.detail) if isinstance(exc.detail, dict) \
             else exc.detail
         return _page("error.html", request, ctx, session, status_code=exc.status,
@@ -386,18 +381,14 @@ def pygments_css() -> Response:
 
 def _require_csrf(session: ConsoleSession, csrf: str | None) -> None:
     if not session.csrf_ok(csrf):
-        raise _CsrfRefused("missing or wrong CSRF token: the form was not sent by this "
-                           "console page", "reload the page and submit its form again")
-
-
-class _CsrfRefused(ApiError):
-    status = 403
+        raise SwarmAuthError(403, "missing or wrong CSRF token: the form was not sent by this "
+                             "console page", "reload the page and submit its form again")
 
 
 def _resolve(ctx: ServerContext, ref: str) -> SnapshotRecord:
     rec = ctx.snapshots.resolve(ref)
     if rec is None:
-        raise NotFound("the server's own code is not a snapshot", "open /ui/snapshots")
+        raise SwarmNotFound(404, "the server's own code is not a snapshot", "open /ui/snapshots")
     return rec
 
 

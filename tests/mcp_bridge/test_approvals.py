@@ -12,7 +12,7 @@ import pytest
 from mcp_bridge.approvals import (
     APPROVALS_DIR_ENV,
     ApprovalError,
-    ApprovalStatus,
+    LaptopApprovalStatus,
     ApprovalStore,
     default_approvals_dir,
 )
@@ -40,11 +40,11 @@ def _request(store: ApprovalStore, snapshot_id: str = SNAP_A, url: str = URL):
 def test_pending_until_a_human_approves_then_bound_to_snapshot_and_server(tmp_path: Path) -> None:
     store = ApprovalStore(tmp_path)
     filed = _request(store)
-    assert filed.status is ApprovalStatus.PENDING
+    assert filed.status is LaptopApprovalStatus.PENDING
     assert store.find_valid(SNAP_A, URL) is None
 
     approved = store.approve(filed.id, by="alice@laptop")
-    assert approved.status is ApprovalStatus.APPROVED and approved.decided_by == "alice@laptop"
+    assert approved.status is LaptopApprovalStatus.APPROVED and approved.decided_by == "alice@laptop"
     assert store.find_valid(SNAP_A, URL).id == filed.id
     assert store.find_valid(SNAP_A, URL + "/") is not None  # same server, trailing slash
     assert store.find_valid(SNAP_B, URL) is None  # other content
@@ -79,9 +79,9 @@ def test_decided_once_and_denial_is_not_an_approval(tmp_path: Path) -> None:
     store = ApprovalStore(tmp_path)
     filed = _request(store)
     denied = store.deny(filed.id)
-    assert denied.status is ApprovalStatus.DENIED
+    assert denied.status is LaptopApprovalStatus.DENIED
     assert store.find_valid(SNAP_A, URL) is None
-    assert store.latest_for(SNAP_A, URL).status is ApprovalStatus.DENIED
+    assert store.latest_for(SNAP_A, URL).status is LaptopApprovalStatus.DENIED
     with pytest.raises(ApprovalError, match="already denied"):
         store.approve(filed.id)
 

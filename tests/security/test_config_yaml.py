@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from swarm_server.config_check import refuse_yaml_expansion
-from swarm_server.errors import Unprocessable
+from ajet.errors import SwarmValidationError
 from tests.security.inproc import inproc_server
 from tests.support import WORKER_TOKEN
 
@@ -46,7 +46,7 @@ def test_an_alias_bomb_is_refused_at_once_and_nothing_is_stored(srv: Any) -> Non
 
 
 def test_merge_keys_are_named_too() -> None:
-    with pytest.raises(Unprocessable) as exc:
+    with pytest.raises(SwarmValidationError) as exc:
         refuse_yaml_expansion("base: &b {lr: 0.1}\njob:\n  <<: *b\n  n: 1\n")
     assert "merge keys (<<)" in exc.value.detail[0]["msg"]
 
@@ -54,5 +54,5 @@ def test_merge_keys_are_named_too() -> None:
 def test_plain_configs_and_look_alike_text_pass() -> None:
     refuse_yaml_expansion("experiment_name: '&not_an_anchor *nor_alias'\nnote: a << b\n")
     refuse_yaml_expansion("experiment_name: [unclosed\n")  # the validator names the error
-    with pytest.raises(Unprocessable):  # what precedes a syntax error still counts
+    with pytest.raises(SwarmValidationError):  # what precedes a syntax error still counts
         refuse_yaml_expansion("a: &x 1\nb: *x\nc: [unclosed\n")

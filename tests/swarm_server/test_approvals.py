@@ -305,14 +305,14 @@ def test_approver_tokens_need_a_control_token(tmp_path: Path) -> None:
 def test_extension_modules_only_when_the_server_allows_them(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     from ajet.protocol import FileEntry
-    from swarm_server.errors import BadRequest
+    from ajet.errors import SwarmValidationError
     from swarm_server.ledger import Ledger
     from swarm_server.snapshots import SnapshotStore
 
     entry = FileEntry.model_validate(manifest_entry("ajet/fast.cpython-311-x86_64-linux-gnu.so",
                                                     b"\x7fELF"))
     strict = SnapshotStore(Settings(workdir=tmp_path / "a"), Ledger(tmp_path / "a.db"))
-    with pytest.raises(BadRequest, match="extension module"):
+    with pytest.raises(SwarmValidationError, match="extension module"):
         strict.validate_manifest([entry])
     allowing = SnapshotStore(Settings(workdir=tmp_path / "b", allow_extension_modules=True),
                              Ledger(tmp_path / "b.db"))

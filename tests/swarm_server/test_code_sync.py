@@ -25,7 +25,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict, SwarmNotFound, SwarmValidationError
 from ajet.packaging import build_zip, package_tree, snapshot_id_of
 from ajet.protocol import SERVER_CODE, BlobsUploaded, EngineState, FileEntry, Provenance
-from swarm_server.errors import ApiError
+from ajet.errors import SwarmHTTPError
 from swarm_server.ledger import Ledger
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
@@ -501,7 +501,7 @@ def test_compile_with_another_interpreter(tmp_path: Path) -> None:
     (pyc,) = (store.folder(rec) / "__pycache__").glob("good.*.pyc")
     assert not reused and pyc.name == f"good.{sys.implementation.cache_tag}.pyc"
     before = tree_digest(store.snapshots_dir)
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(SwarmHTTPError) as info:
         store.materialise([FileEntry.model_validate(_entry("ajet/bad.py", bad))], Provenance())
     assert info.value.status == 422 and '"ajet/bad.py", line 1' in str(info.value.detail)
     assert ".partial" not in str(info.value.detail)
@@ -509,6 +509,6 @@ def test_compile_with_another_interpreter(tmp_path: Path) -> None:
 
 
 def test_free_disk_is_checked_first(tmp_path: Path) -> None:
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(SwarmHTTPError) as info:
         check_free_disk(tmp_path, needed=0, keep_free=1 << 62)
     assert info.value.status == 507 and "gc" in info.value.hint

@@ -17,8 +17,8 @@ import pytest
 import ajet
 from ajet.copilot.job import AgentJetJob
 from ajet.protocol import ENGINE_FAILURE_FILE, SERVER_CODE, EngineFailure, EngineReport, EngineState
+from ajet.errors import EngineStateConflict, SwarmValidationError
 from swarm_server.engine import LAST_CONFIG_KEY
-from swarm_server.errors import EngineStateError, Unprocessable
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.supervisor import FakeProcess, SpawnSpec
 from tests.support.harness import FixedSnapshots, Harness, make_harness, serve, wait_until
@@ -43,17 +43,17 @@ def audit_actions(ledger: Ledger) -> list[tuple[str, str]]:
 
 
 def test_change_state_is_compare_and_set(h: Harness) -> None:
-    with pytest.raises(EngineStateError) as wrong_source:
+    with pytest.raises(EngineStateConflict) as wrong_source:
         h.ctl.change_state(S.ROLLING, S.OFFLINE)
     assert "ENGINE.OFFLINE" in str(wrong_source.value.detail)
-    with pytest.raises(EngineStateError, match="cannot go"):
+    with pytest.raises(EngineStateConflict, match="cannot go"):
         h.ctl.change_state(S.OFFLINE, S.ROLLING)  # OFFLINE -> ROLLING skips BOOTING
     h.ctl.change_state(S.OFFLINE, S.BOOTING)
     assert h.ctl.state is S.BOOTING
 
 
 def test_start_without_config_is_refused_and_audited(h: Harness) -> None:
-    with pytest.raises(EngineStateError) as exc:
+    with pytest.raises(EngineStateConflict) as exc:
         h.ctl.start(role="control")
     assert exc.value.status == 409
     assert "sync_train_config" in exc.value.hint
@@ -97,17 +97,17 @@ def test_start_boots_spawns_contract_command_and_follows_reports(h: Harness) -> 
 def test_illegal_requests_get_409_naming_state_and_next_call(h: Harness) -> None:
     h.configure()
     h.ctl.start(role="control")
-    with pytest.raises(EngineStateError) as booting:
+    with pytest.raises(EngineStateConflict) as booting:
         h.ctl.start(role="control")
     assert "ENGINE.BOOTING" in booting.value.detail
     assert "stop_engine" in booting.value.hint
     serve(h.spawner.latest())
     wait_until(lambda: h.ctl.state is S.ROLLING)
-    with pytest.raises(EngineStateError) as config:
+    with pytest.raises(EngineStateConflict) as config:
         h.ctl.set_config(AgentJetJob().to_yaml(), role="control")
     assert "ENGINE.ROLLING" in config.value.detail and "stop_engine" in config.value.hint
     activated: list[int] = []
-    with pytest.raises(EngineStateError) as swap:
+    with pytest.raises(EngineStateConflict) as swap:
         h.ctl.swap_code(lambda: activated.append(1), force_restart=False, role="control")
     assert "force_restart=True" in swap.value.hint
     assert activated == []
@@ -124,7 +124,7 @@ def test_twenty_concurrent_starts_spawn_exactly_one_engine(h: Harness) -> None:
         try:
             h.ctl.start(role="control")
             outcomes.append("started")
-        except EngineStateError:
+        except EngineStateConflict:
             outcomes.append("409")
 
     threads = [threading.Thread(target=start) for _ in range(20)]
@@ -344,7 +344,7 @@ def test_set_config_validates_with_the_code_and_changes_nothing_on_error(h: Harn
     accepted = h.ctl.set_config("experiment_name: good\nlr: 0.01\n", role="control")
     assert accepted.experiment_name == "good" and accepted.config["lr"] == 0.01
     stored = h.ledger.get_meta(LAST_CONFIG_KEY)
-    with pytest.raises(Unprocessable) as exc:
+    with pytest.raises(SwarmValidationError) as exc:
         h.ctl.set_config("experiment_name: bad\nlr: 7\n", role="control")
     assert exc.value.detail[0]["loc"] == ["lr"]
     assert "lr" in exc.value.hint

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from ajet.protocol import AbortEpisodeRequest, BeginEpisodeRequest
+from ajet.errors import EngineStateConflict, SwarmAuthError, SwarmHTTPError
 from swarm_server.episodes import EpisodeGateway
-from swarm_server.errors import ApiError, EngineStateError, Unauthorized
 from tests.support.gateway import gateway_on
 
 
@@ -35,17 +35,17 @@ def test_closed_entries_are_pruned_once_their_batch_is_trained(tmp_path: Path) -
             keys = await churn(gateway, 300)
             assert gateway.table_size() == 300  # the current batch: kept for its statistics
             for key in keys[:3]:
-                with pytest.raises(Unauthorized, match="has ended"):
+                with pytest.raises(SwarmAuthError, match="has ended"):
                     gateway.check_key(key)
             engine.step = 1  # the batch those episodes were collected for was trained
             live = await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
             assert gateway.table_size() == 1
             assert gateway.check_key(live.openai_api_key) == live.episode_uuid
-            with pytest.raises(Unauthorized):  # a pruned episode's key is still refused
+            with pytest.raises(SwarmAuthError):  # a pruned episode's key is still refused
                 gateway.check_key(keys[0])
             # a late call for a pruned episode: the engine, which remembers it, answers
             pruned = next(iter(engine.closed))
-            with pytest.raises(ApiError, match="was aborted") as late:
+            with pytest.raises(SwarmHTTPError, match="was aborted") as late:
                 await gateway.abort(AbortEpisodeRequest(episode_uuid=pruned))
             assert late.value.status == 409
 
@@ -57,7 +57,7 @@ def test_the_table_never_passes_its_bound(tmp_path: Path) -> None:
         async with gateway_on(tmp_path, max_gateway_episodes=100) as (gateway, engine):
             live = [await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
                     for _ in range(100)]
-            with pytest.raises(EngineStateError, match="limit") as full:
+            with pytest.raises(EngineStateConflict, match="limit") as full:
                 await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
             assert full.value.headers == {"Retry-After": "1"}
             assert len(engine.live) == 100  # refused before the engine was asked

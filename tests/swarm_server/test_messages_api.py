@@ -318,14 +318,14 @@ def test_an_engine_without_the_route_is_a_404_and_the_episode_lives_on(tmp_path:
     is not taken for closed."""
     import asyncio
 
-    from swarm_server.errors import NotFound
+    from ajet.errors import SwarmNotFound
     from tests.support.gateway import gateway_on
 
     async def scenario() -> None:
         async with gateway_on(tmp_path) as (gateway, _):
             episode = await gateway.begin(BeginEpisodeRequest(), public_base_url="http://x/")
-            with pytest.raises(NotFound) as missing:
-                await gateway.openai(episode.openai_api_key, method="POST",
+            with pytest.raises(SwarmNotFound) as missing:
+                await gateway.openai(episode.episode_uuid, method="POST",
                                      path="/v1/messages", body=b"{}")
             assert "predates" in str(missing.value.detail)
             assert gateway.check_key(episode.openai_api_key) == episode.episode_uuid

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ajet.protocol import EngineState
+from ajet.errors import SwarmValidationError
 from swarm_server.engine import run_limits
-from swarm_server.errors import Unprocessable
 from swarm_server.run_checkpoints import complete_checkpoints, saves_in_progress
 from swarm_server.settings import Settings
 from tests.support.harness import Harness, make_harness, serve, wait_until
@@ -100,15 +100,15 @@ def test_resume_latest_continues_the_experiments_last_checkpoint(h: Harness) -> 
 
 def test_resume_from_nothing_is_refused_with_a_hint(h: Harness) -> None:
     h.configure(experiment_name="fresh", resume_from="latest")
-    with pytest.raises(Unprocessable) as exc:
+    with pytest.raises(SwarmValidationError) as exc:
         h.ctl.start(role="control")
     assert "no run of experiment 'fresh'" in str(exc.value.detail)
     assert "list_runs" in exc.value.hint
     h.configure(experiment_name="fresh", resume_from="no-such-run")
-    with pytest.raises(Unprocessable, match="neither a run id"):
+    with pytest.raises(SwarmValidationError, match="neither a run id"):
         h.ctl.start(role="control")
     outside = _checkpoint(h.settings.workdir / "elsewhere", 3, "x")
     h.configure(experiment_name="fresh", resume_from=str(outside))
-    with pytest.raises(Unprocessable, match="outside the server's runs directory"):
+    with pytest.raises(SwarmValidationError, match="outside the server's runs directory"):
         h.ctl.start(role="control")
     assert h.ctl.state is S.OFFLINE and h.spawner.processes == []

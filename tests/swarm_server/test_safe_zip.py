@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm_server.errors import ApiError
+from ajet.errors import SwarmHTTPError
 from swarm_server.safe_zip import SafeZip, ZipLimits
 from tests.support.hostile_zips import HOSTILE, bomb_zip
 
@@ -34,7 +34,7 @@ def judge_and_extract(data: bytes, tmp: Path, limits: ZipLimits = LIMITS) -> lis
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_zip_is_refused(case: str, tmp_path: Path) -> None:
     build, status, reason = HOSTILE[case]
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(SwarmHTTPError) as info:
         judge_and_extract(build(), tmp_path)
     assert info.value.status == status, info.value.detail
     assert reason in str(info.value.detail)
@@ -43,7 +43,7 @@ def test_hostile_zip_is_refused(case: str, tmp_path: Path) -> None:
 
 def test_refusal_before_inflating_anything(tmp_path: Path) -> None:
     # a bomb is refused from the central directory: nothing is written to staging
-    with pytest.raises(ApiError):
+    with pytest.raises(SwarmHTTPError):
         judge_and_extract(bomb_zip(), tmp_path)
     assert not (tmp_path / "staging").exists()
 

@@ -1,6 +1,6 @@
 """The generation interface: what the episode plane asks of whatever generates tokens.
 
-The chat routes (`chat_api.py`) build a `GenerationRequest` and hand it to a `Generator`;
+The chat routes (`plane/openai_api.py`, `plane/responses_api.py`) build a `GenerationRequest` and hand it to a `Generator`;
 its deltas and its one `GenerationResult` come back through the request's callbacks.
 Behind the interface sits one backend module:
 
@@ -69,11 +69,21 @@ class GenerationResult:
     finish_reason: str  # "stop" (eos or a stop string) or "length"
 
 
+def _unobserved(_: GenerationResult | BaseException) -> None:
+    """`on_done` of a request nobody has attached to yet (the plane sets its own)."""
+
+
 @dataclass
 class GenerationRequest:
+    """What to generate, and where its deltas and result go.
+
+    The episode plane builds one from a chat with the callbacks unset, then attaches its
+    own (`serving.start_generation`, with `dataclasses.replace`) when it submits it.
+    """
+
     prompt_ids: list[int]
     max_new_tokens: int
-    on_done: Callable[[GenerationResult | BaseException], None]
+    on_done: Callable[[GenerationResult | BaseException], None] = _unobserved
     on_delta: Callable[[str], None] | None = None
     stop: tuple[str, ...] = ()
     #: None = the run's setting; set only for `eval` episodes (0 = greedy)

@@ -36,8 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ajet.errors import SwarmHTTPError, error_response, validation_error
 from ajet.engine.plane.episode_plane import EpisodePlane
-from ajet.engine.plane.episodes import EpisodeError
 from ajet.engine.plane.messages_api import messages_router
 from ajet.engine.plane.openai_api import openai_router
 from ajet.engine.plane.responses_api import responses_router
@@ -49,6 +49,7 @@ from ajet.protocol import (
     EndEpisodeRequest,
     EndEpisodeResponse,
     EngineReport,
+    PlanePath,
 )
 
 __all__ = ["create_channel_app"]
@@ -67,14 +68,14 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
     async def status() -> EngineReport:
         return plane.report()
 
-    @app.post("/begin_episode")
+    @app.post(PlanePath.BEGIN_EPISODE)
     async def begin_episode(body: BeginEpisodeRequest) -> dict[str, Any]:
         episode = registry.begin(timeout_s=body.discard_episode_timeout, metadata=body.metadata,
                                  episode_type=body.episode_type, client_uuid=body.client_uuid,
                                  task_id=body.task_id)
         return {"episode_uuid": episode.uuid, "timeout_s": episode.timeout_s}
 
-    @app.post("/end_episode")
+    @app.post(PlanePath.END_EPISODE)
     async def end_episode(body: EndEpisodeRequest) -> EndEpisodeResponse:
         episode = registry.end(body.episode_uuid, task_id=body.task_id, reward=body.reward,
                                is_success=body.is_success, metadata=body.metadata,
@@ -84,7 +85,7 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
                                   step=registry.step,
                                   trained=episode.episode_type == "train")
 
-    @app.post("/abort_episode")
+    @app.post(PlanePath.ABORT_EPISODE)
     async def abort_episode(body: AbortEpisodeRequest) -> dict[str, Any]:
         requeued = registry.abort(body.episode_uuid, client_uuid=body.client_uuid)
         cancelled = plane.generations.cancel(body.episode_uuid)  # frees their KV cache
@@ -119,31 +120,22 @@ def create_channel_app(plane: EpisodePlane) -> FastAPI:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(EpisodeError)
-    async def _episode_error(_: Request, exc: EpisodeError) -> JSONResponse:
-        headers = None
-        if exc.retry_after_s is not None:
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-        body: dict[str, Any] = {"detail": exc.detail, "hint": exc.hint}
-        if getattr(exc, "param", None):
-            body["param"] = exc.param
-        return JSONResponse(body, status_code=exc.status, headers=headers)
+    # the same rendering as the swarm server's (`ajet.errors.error_response`), which relays
+    # these bodies: status, detail, hint, and param where a field is named
+    @app.exception_handler(SwarmHTTPError)
+    async def _swarm_error(_: Request, exc: SwarmHTTPError) -> JSONResponse:
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""),
-                   "type": e.get("type", "")} for e in exc.errors()]
-        fields = [".".join(e["loc"][1:] or e["loc"]) for e in errors]
-        return JSONResponse({"detail": errors, "hint": f"fix the field(s): {', '.join(fields)}",
-                             "param": fields[0] if fields else None}, status_code=422)
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail, "hint": ""}, status_code=exc.status_code)
+        return error_response(SwarmHTTPError(exc.status_code, exc.detail))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": "internal engine error",
-                             "hint": "see the engine log (GET /runs/current/logs)"},
-                            status_code=500)
+        return error_response(SwarmHTTPError(500, "internal engine error",
+                                             "see the engine log (GET /runs/current/logs)"))

@@ -13,11 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ajet.errors import SwarmHTTPError
 from ajet.engine.config import EngineConfig
 from ajet.engine.generation.interface import Generator
 from ajet.engine.plane.chat_format import ChatFormat
 from ajet.engine.plane.episodes import EpisodeRegistry
-from ajet.engine.plane.serving import EngineUnavailable, GenerationTracker
+from ajet.engine.plane.serving import GenerationTracker
 from ajet.engine.policy import Policy
 from ajet.protocol import EngineReport
 
@@ -60,8 +61,8 @@ class EpisodePlane:
         """What a `/v1/*` call needs; 503 while no policy is loaded."""
         fmt, inference = self.chat_format, self.inference
         if fmt is None or inference is None:
-            raise EngineUnavailable(f"engine is {self.registry.state}: no policy loaded",
-                                    "wait for ENGINE.ROLLING and call begin_episode")
+            raise SwarmHTTPError(503, f"engine is {self.registry.state}: no policy loaded",
+                                 "wait for ENGINE.ROLLING and call begin_episode")
         return fmt, inference
 
     def report(self) -> EngineReport:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from ajet.errors import EngineStateConflict, SwarmAuthError, SwarmNotFound
 from ajet.engine.trajectory import Completion, Trajectory
 from ajet.protocol import EngineState
 
@@ -61,14 +62,9 @@ __all__ = [
     "EVAL_EPISODE",
     "TRAIN_EPISODE",
     "Episode",
-    "EpisodeClosed",
-    "EpisodeError",
     "EpisodeRegistry",
     "EpisodeStatus",
     "Group",
-    "NotAccepting",
-    "NotOwner",
-    "UnknownEpisode",
 ]
 
 log = logging.getLogger(__name__)
@@ -90,43 +86,6 @@ _AGREE_ANY = "rollout_until_any_client_agree_sync_weight"
 _AGREE_ALL = "rollout_until_all_clients_agree_sync_weight"
 COLLECTION_METHODS = (_TASKS, _NON_DUMMY, _EPISODES, _AGREE_ANY, _AGREE_ALL)
 _AGREE_METHODS = (_AGREE_ANY, _AGREE_ALL)
-
-
-class EpisodeError(Exception):
-    """A refused episode call; rendered as `{"detail", "hint"}` with `status`."""
-
-    status = 400
-
-    def __init__(self, detail: str, hint: str = "", *, retry_after_s: float | None = None
-                 ) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.hint = hint
-        self.retry_after_s = retry_after_s
-
-
-class NotAccepting(EpisodeError):
-    """409: no claims now (engine not ROLLING, or every episode slot of the step is taken)."""
-
-    status = 409
-
-
-class UnknownEpisode(EpisodeError):
-    """404: this engine run never issued that episode id."""
-
-    status = 404
-
-
-class EpisodeClosed(EpisodeError):
-    """409: the episode already ended, was aborted, or timed out."""
-
-    status = 409
-
-
-class NotOwner(EpisodeError):
-    """403: the episode was claimed by another client."""
-
-    status = 403
 
 
 class EpisodeStatus(str, Enum):
@@ -232,15 +191,15 @@ class EpisodeRegistry:
     def begin(self, *, timeout_s: float | None = None,
               metadata: dict[str, Any] | None = None, episode_type: str = "train",
               client_uuid: str | None = None, task_id: str | None = None) -> Episode:
-        """Claim a new episode; raises `NotAccepting` unless ROLLING with a free slot."""
+        """Claim a new episode; raises `EngineStateConflict` unless ROLLING with a free slot."""
         with self._cond:
             if self._state != EngineState.ROLLING:
-                raise NotAccepting(
+                raise EngineStateConflict(409,
                     f"engine is {self._state}: no new episodes now",
                     "retry begin_episode in about 1 s; claims reopen at ENGINE.ROLLING "
                     "(see get_engine_status)", retry_after_s=1.0)
             if len(self._live) >= self.max_in_flight:
-                raise NotAccepting(
+                raise EngineStateConflict(409,
                     f"engine is {self._state} but all {self.max_in_flight} episode slots of "
                     "this step are claimed",
                     "retry begin_episode in about 1 s; a slot frees when an episode ends, "
@@ -520,9 +479,10 @@ class EpisodeRegistry:
         episode = self._live.get(episode_uuid)
         if episode is not None and episode.client_uuid is not None and \
                 action != "chat" and client_uuid != episode.client_uuid:
-            raise NotOwner(f"cannot {action} episode {episode_uuid}: it was claimed by another "
-                           "client", "only the client that called begin_episode may end or "
-                           "abort it")
+            raise SwarmAuthError(
+                403, f"cannot {action} episode {episode_uuid}: it was claimed by another "
+                "client", "only the client that called begin_episode may end or "
+                "abort it")
         if episode is not None and self._idle_expired(episode, self._clock()):
             # past its timeout but not swept yet: the call sees what a sweep would leave
             self._close(episode_uuid, EpisodeStatus.TIMED_OUT)
@@ -532,14 +492,14 @@ class EpisodeRegistry:
             return episode
         closed = self._closed.get(episode_uuid)
         if closed is None:
-            raise UnknownEpisode(
+            raise SwarmNotFound(404,
                 f"unknown episode {episode_uuid!r} in this engine run",
                 "call begin_episode for a new episode; ids from an earlier run are void")
         what = {EpisodeStatus.ENDED: "has already ended",
                 EpisodeStatus.ABORTED: "was aborted",
                 EpisodeStatus.TIMED_OUT: "timed out (idle) and was re-queued"}[closed]
-        raise EpisodeClosed(f"cannot {action} episode {episode_uuid}: it {what}",
-                            "call begin_episode for a new episode")
+        raise EngineStateConflict(409, f"cannot {action} episode {episode_uuid}: it {what}",
+                                  "call begin_episode for a new episode")
 
     @staticmethod
     def _idle_expired(episode: Episode, now: float) -> bool:

@@ -46,10 +46,12 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
+from ajet.errors import SwarmHTTPError, SwarmValidationError
 from ajet.engine.generation.interface import GenerationResult
 from ajet.engine.plane.chat_format import ChatFormat, FormatError, ParsedReply, ToolCall
 from ajet.engine.plane.episode_plane import EpisodePlane
-from ajet.engine.plane.episodes import EVAL_EPISODE, EpisodeError
+from ajet.protocol import PlanePath
+from ajet.engine.plane.episodes import EVAL_EPISODE
 from ajet.engine.plane.openai_api import (
     ChatTurn,
     accept_body,
@@ -59,12 +61,7 @@ from ajet.engine.plane.openai_api import (
     reply_events,
     start_chat,
 )
-from ajet.engine.plane.request_policy import (
-    BadRequest,
-    PlaneRequest,
-    RequestBody,
-    ToolChoice,
-)
+from ajet.engine.plane.request_policy import PlaneRequest, RequestBody, ToolChoice
 from ajet.engine.plane.serving import Generation
 
 __all__ = [
@@ -126,7 +123,7 @@ class CountTokensRequest(RequestBody):
 def messages_router(plane: EpisodePlane) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/messages", response_model=None)
+    @router.post(PlanePath.MESSAGES, response_model=None)
     async def messages(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -147,7 +144,7 @@ def messages_router(plane: EpisodePlane) -> APIRouter:
         reply = finish_reply(fmt, generation, turn, result)
         return JSONResponse(message_body(fmt, turn, result, reply, stop=stop))
 
-    @router.post("/v1/messages/count_tokens")
+    @router.post(PlanePath.COUNT_TOKENS)
     async def count_tokens(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -180,9 +177,9 @@ def _count(plane: EpisodePlane, fmt: ChatFormat, body: CountTokensRequest) -> in
 # ---------------------------------------------------------------------------- the request
 
 
-def _refused(detail: str, hint: str, *, param: str | None) -> BadRequest:
+def _refused(detail: str, hint: str, *, param: str | None) -> SwarmValidationError:
     """400 naming the field at fault (`param`), with what to send instead."""
-    return BadRequest(detail, hint, param=param)
+    return SwarmValidationError(400, detail, hint, param=param)
 
 
 def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type: str
@@ -329,7 +326,7 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
     return content
 
 
-def _refuse_block(kind: Any, param: str) -> BadRequest:
+def _refuse_block(kind: Any, param: str) -> SwarmValidationError:
     if kind in ("image", "document", "search_result", "container_upload"):
         return _refused(f"{param} is a content block of type {kind!r}", _TEXT_ONLY,
                           param=f"{param}.type")
@@ -475,7 +472,7 @@ def _sse(kind: str, data: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n".encode()
 
 
-def stream_error(exc: EpisodeError) -> bytes:
+def stream_error(exc: SwarmHTTPError) -> bytes:
     """An error after the stream began (the status line is sent): Anthropic's error event."""
     message = f"{exc.detail} (hint: {exc.hint})" if exc.hint else str(exc.detail)
     kind = "invalid_request_error" if exc.status < 500 else "api_error"

@@ -26,6 +26,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from ajet.errors import PayloadTooLarge, SwarmHTTPError, SwarmNotFound, SwarmValidationError
 from ajet.engine.plane.chat_format import (
     ChatFormat,
     ContentStream,
@@ -33,10 +34,8 @@ from ajet.engine.plane.chat_format import (
     ParsedReply,
     RenderedPrompt,
 )
-from ajet.engine.plane.episodes import EpisodeError
-from ajet.engine.generation.interface import GenerationResult
+from ajet.engine.generation.interface import GenerationRequest, GenerationResult
 from ajet.engine.plane.request_policy import (
-    BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
     PlaneRequest,
@@ -48,8 +47,9 @@ from ajet.engine.plane.request_policy import (
     resolve_stop,
     resolve_tool_choice,
 )
-from ajet.engine.plane.serving import Generation, GenerationAsk, start_generation
+from ajet.engine.plane.serving import Generation, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.protocol import PlanePath
 from ajet.engine.trajectory import reply_message
 
 
@@ -59,7 +59,6 @@ __all__ = [
     "ajet_field",
     "build_turn",
     "chat_request",
-    "ChatTooLarge",
     "check_prompt_length",
     "completion_request",
     "episode_header",
@@ -94,7 +93,7 @@ class ChatTurn:
     choice: ToolChoice
     parallel_tool_calls: bool
     sampling: Sampling
-    ask: GenerationAsk
+    ask: GenerationRequest
     model_name: str
     extra: dict[str, Any] = field(default_factory=dict)
     #: the agent that asked: the request's `model` name (timelines never mix agents)
@@ -110,20 +109,20 @@ class ChatTurn:
 def openai_router(plane: EpisodePlane) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/models")
+    @router.get(PlanePath.MODELS)
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [_model_card(plane)]}
 
-    @router.get("/v1/models/{model:path}")
+    @router.get(PlanePath.MODELS + "/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
         if model != plane.cfg.model:
-            raise _ModelNotFound(f"model {model!r} is not served here; this run serves "
-                                 f"{plane.cfg.model!r}",
-                                 "any model name works in requests: the run's model answers",
-                                 param="model")
+            raise SwarmNotFound(404, f"model {model!r} is not served here; this run serves "
+                                f"{plane.cfg.model!r}",
+                                "any model name works in requests: the run's model answers",
+                                param="model")
         return _model_card(plane)
 
-    @router.post("/v1/chat/completions", response_model=None)
+    @router.post(PlanePath.CHAT_COMPLETIONS, response_model=None)
     async def chat_completions(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -141,7 +140,7 @@ def openai_router(plane: EpisodePlane) -> APIRouter:
         reply = finish_reply(fmt, generation, turn, result)
         return JSONResponse(_chat_body(plane, turn, result, reply, logprobs=logprobs))
 
-    @router.post("/v1/completions", response_model=None)
+    @router.post(PlanePath.COMPLETIONS, response_model=None)
     async def completions(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -189,13 +188,13 @@ async def read_body(request: Request, plane: EpisodePlane) -> bytes:
     limit = plane.cfg.max_chat_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise ChatTooLarge(int(declared), limit, plane.cfg.max_prompt_length)
+        raise _chat_too_large(int(declared), limit, plane.cfg.max_prompt_length)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise ChatTooLarge(size, limit, plane.cfg.max_prompt_length)
+            raise _chat_too_large(size, limit, plane.cfg.max_prompt_length)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -256,10 +255,11 @@ def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
     tools, choice = request.tools, request.choice
     offered = tools if tools and choice.mode != "none" else None
     if offered and not fmt.parses_tool_calls:
-        raise BadRequest("this checkpoint's tool-call format is unknown, so calls could not be "
-                         "read back from its replies",
-                         "add a response_template to the checkpoint's tokenizer_config.json, "
-                         "or send no tools", param="tools")
+        raise SwarmValidationError(
+            400, "this checkpoint's tool-call format is unknown, so calls could not be "
+            "read back from its replies",
+            "add a response_template to the checkpoint's tokenizer_config.json, "
+            "or send no tools", param="tools")
     template_kwargs: dict[str, Any] = {}
     if offered:
         template_kwargs = {"tool_choice": choice.name or choice.mode,
@@ -270,7 +270,7 @@ def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,
             prompt = fmt.render(request.messages or [], tools=offered,
                                 template_kwargs=template_kwargs)
         except FormatError as exc:
-            raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
+            raise SwarmValidationError(400, str(exc), exc.hint, param=exc.param) from exc
     check_prompt_length(plane, len(prompt.ids), param=request.prompt_param)
     sampling = _sampling(plane, episode_uuid, request.temperature, request.top_p)
     if request.ignored:
@@ -292,8 +292,9 @@ def completion_request(plane: EpisodePlane, fmt: ChatFormat, body: CompletionReq
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
-            raise BadRequest(f"{len(prompt)} prompts in one call; one is served per call",
-                             "send one prompt per call", param="prompt")
+            raise SwarmValidationError(
+                400, f"{len(prompt)} prompts in one call; one is served per call",
+                "send one prompt per call", param="prompt")
         prompt = prompt[0]
     tokenizer = fmt.tokenizer
     if isinstance(prompt, str):
@@ -301,8 +302,9 @@ def completion_request(plane: EpisodePlane, fmt: ChatFormat, body: CompletionReq
     else:
         vocab = len(tokenizer)
         if not prompt or any(not isinstance(i, int) or not 0 <= i < vocab for i in prompt):
-            raise BadRequest(f"prompt token ids must be a non-empty list of ids below {vocab}",
-                             "send the prompt as text, or valid token ids", param="prompt")
+            raise SwarmValidationError(
+                400, f"prompt token ids must be a non-empty list of ids below {vocab}",
+                "send the prompt as text, or valid token ids", param="prompt")
         ids = [int(i) for i in prompt]
     cfg = plane.cfg
     text = str(tokenizer.decode(ids, skip_special_tokens=False))
@@ -318,9 +320,10 @@ def completion_request(plane: EpisodePlane, fmt: ChatFormat, body: CompletionReq
 def check_prompt_length(plane: EpisodePlane, n_tokens: int, *, param: str) -> None:
     limit = plane.cfg.max_prompt_length
     if n_tokens > limit:
-        raise BadRequest(f"the prompt is {n_tokens} tokens; max_prompt_length is {limit}",
-                         "shorten the conversation or raise max_prompt_length in the job",
-                         param=param)
+        raise SwarmValidationError(
+            400, f"the prompt is {n_tokens} tokens; max_prompt_length is {limit}",
+            "shorten the conversation or raise max_prompt_length in the job",
+            param=param)
 
 
 def _sampling(plane: EpisodePlane, episode_uuid: str, temperature: float | None,
@@ -331,10 +334,10 @@ def _sampling(plane: EpisodePlane, episode_uuid: str, temperature: float | None,
 
 
 def _ask(ids: list[int], max_tokens: int, stop: tuple[str, ...], sampling: Sampling
-         ) -> GenerationAsk:
+         ) -> GenerationRequest:
     t, p = sampling.for_generation()
-    return GenerationAsk(prompt_ids=ids, max_new_tokens=max_tokens, stop=stop, temperature=t,
-                         top_p=p)
+    return GenerationRequest(prompt_ids=ids, max_new_tokens=max_tokens, stop=stop,
+                             temperature=t, top_p=p)
 
 
 # ---------------------------------------------------------------------------- replies
@@ -423,7 +426,7 @@ async def reply_events(fmt: ChatFormat, generation: Generation, turn: ChatTurn
 
     `("content", text)` as content can be shown (held back where a tool call may begin),
     then `("done", (result, reply))` once the reply is parsed and recorded, or
-    `("error", EpisodeError)` if the episode closed meanwhile.
+    `("error", SwarmHTTPError)` if the episode closed meanwhile.
     """
     stream = turn.content_stream(fmt)
     while True:
@@ -436,7 +439,7 @@ async def reply_events(fmt: ChatFormat, generation: Generation, turn: ChatTurn
         result: GenerationResult = payload
         try:
             reply = finish_reply(fmt, generation, turn, result)
-        except EpisodeError as exc:
+        except SwarmHTTPError as exc:
             yield "error", exc
             return
         if stream is not None and (rest := stream.rest(reply, result.text)):
@@ -526,7 +529,7 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
             result: GenerationResult = payload
             try:
                 generation.record(result, agent=turn.agent)
-            except EpisodeError as exc:
+            except SwarmHTTPError as exc:
                 yield stream_error(exc)
                 break
             lp = _completion_logprobs(fmt, result) if logprobs else None
@@ -545,24 +548,12 @@ async def _completion_stream(plane: EpisodePlane, fmt: ChatFormat, generation: G
 # ---------------------------------------------------------------------------- helpers
 
 
-class ChatTooLarge(EpisodeError):
+def _chat_too_large(size: int, limit: int, max_prompt_length: int) -> PayloadTooLarge:
     """413: the body is over the chat size bound (EngineConfig.max_chat_bytes)."""
-
-    status = 413
-
-    def __init__(self, size: int, limit: int, max_prompt_length: int) -> None:
-        super().__init__(
-            f"request body of {size} bytes is over this run's chat bound of {limit} bytes "
-            f"(derived from max_prompt_length={max_prompt_length}: docs/limits.md)",
-            "send a shorter conversation, or raise max_prompt_length in the job")
-
-
-class _ModelNotFound(EpisodeError):
-    status = 404
-
-    def __init__(self, detail: str, hint: str, *, param: str) -> None:
-        super().__init__(detail, hint)
-        self.param = param
+    return PayloadTooLarge(
+        413, f"request body of {size} bytes is over this run's chat bound of {limit} bytes "
+        f"(derived from max_prompt_length={max_prompt_length}: docs/limits.md)",
+        "send a shorter conversation, or raise max_prompt_length in the job")
 
 
 def _model_card(plane: EpisodePlane) -> dict[str, Any]:
@@ -572,8 +563,8 @@ def _model_card(plane: EpisodePlane) -> dict[str, Any]:
 
 def episode_header(value: str | None) -> str:
     if not value:
-        raise BadRequest("missing X-Episode-UUID header",
-                         "chat through the swarm server with the episode's API key")
+        raise SwarmValidationError(400, "missing X-Episode-UUID header",
+                                   "chat through the swarm server with the episode's API key")
     return value
 
 
@@ -581,11 +572,11 @@ def _event(body: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def stream_error(exc: EpisodeError) -> bytes:
+def stream_error(exc: SwarmHTTPError) -> bytes:
     """An error after the stream began (the status line is sent): OpenAI's error event."""
     return _event({"error": {"message": f"{exc.detail} (hint: {exc.hint})" if exc.hint
                              else str(exc.detail), "type": "episode_error",
-                             "param": getattr(exc, "param", None), "code": exc.status}})
+                             "param": exc.param, "code": exc.status}})
 
 
 def _sse(events: AsyncIterator[bytes]) -> StreamingResponse:

@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ajet.engine.plane.episodes import EVAL_EPISODE, EpisodeError
+from ajet.errors import SwarmValidationError
+from ajet.engine.plane.episodes import EVAL_EPISODE
 
 if TYPE_CHECKING:
     from ajet.engine.plane.chat_format import RenderedPrompt
 
 __all__ = [
-    "BadRequest",
     "ChatCompletionRequest",
     "CompletionRequest",
     "PlaneRequest",
@@ -46,29 +46,6 @@ __all__ = [
     "resolve_sampling",
     "resolve_tool_choice",
 ]
-
-
-class BadRequest(EpisodeError):
-    """400: the body is valid JSON but asks for something the engine cannot serve.
-
-    `param` names the field (OpenAI's `error.param`).
-    """
-
-    status = 400
-
-    def __init__(self, detail: str, hint: str = "", *, param: str | None = None) -> None:
-        super().__init__(detail, hint)
-        self.param = param
-
-
-class InvalidBody(EpisodeError):
-    """422: the body does not match the schema; `param` is the first bad field."""
-
-    status = 422
-
-    def __init__(self, detail: Any, hint: str, *, param: str | None) -> None:
-        super().__init__(detail, hint)
-        self.param = param
 
 
 # ---------------------------------------------------------------------------- bodies
@@ -187,11 +164,12 @@ def check_parameters(body: Mapping[str, Any], *, accepted: frozenset[str],
             allowed, hint = table[name]
             if value in allowed:
                 continue
-            raise BadRequest(f"{name}={json.dumps(value)[:200]} is not supported on the episode "
-                             "plane", hint, param=name)
-        raise BadRequest(f"unknown parameter {name!r}",
-                         "remove it; docs/api.md lists what the episode plane accepts",
-                         param=name)
+            raise SwarmValidationError(
+                400, f"{name}={json.dumps(value)[:200]} is not supported on the episode "
+                "plane", hint, param=name)
+        raise SwarmValidationError(400, f"unknown parameter {name!r}",
+                                   "remove it; docs/api.md lists what the episode plane accepts",
+                                   param=name)
 
 
 def parse_body(raw: bytes, model: type[BaseModel], *, accepted: frozenset[str],
@@ -201,10 +179,11 @@ def parse_body(raw: bytes, model: type[BaseModel], *, accepted: frozenset[str],
     try:
         data = json.loads(raw)
     except ValueError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}",
-                         "send a JSON object with Content-Type: application/json") from exc
+        raise SwarmValidationError(
+            400, f"the body is not valid JSON: {exc}",
+            "send a JSON object with Content-Type: application/json") from exc
     if not isinstance(data, dict):
-        raise BadRequest("the body must be a JSON object", "send a JSON object")
+        raise SwarmValidationError(400, "the body must be a JSON object", "send a JSON object")
     check_parameters(data, accepted=accepted, default_only=default_only)
     try:
         return model.model_validate(data)
@@ -212,8 +191,8 @@ def parse_body(raw: bytes, model: type[BaseModel], *, accepted: frozenset[str],
         errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""),
                    "type": e.get("type", "")} for e in exc.errors()]
         fields = ", ".join(_dotted(e["loc"]) for e in errors)
-        raise InvalidBody(errors, f"fix the field(s): {fields}",
-                          param=_dotted(errors[0]["loc"]) if errors else None) from exc
+        raise SwarmValidationError(422, errors, f"fix the field(s): {fields}",
+                                   param=_dotted(errors[0]["loc"]) if errors else None) from exc
 
 
 def _dotted(loc: list[str]) -> str:
@@ -304,17 +283,19 @@ def resolve_max_tokens(asked: int | None, *, param: str, default: int, limit: in
     if asked is None:
         return default
     if asked > limit:
-        raise BadRequest(f"{param}={asked} is over this run's max_response_length ({limit})",
-                         f"ask for at most {limit} tokens, or raise max_response_length in "
-                         "the job", param=param)
+        raise SwarmValidationError(
+            400, f"{param}={asked} is over this run's max_response_length ({limit})",
+            f"ask for at most {limit} tokens, or raise max_response_length in "
+            "the job", param=param)
     return asked
 
 
 def resolve_stop(stop: str | list[str] | None) -> tuple[str, ...]:
     out = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if any(not s for s in out) or len(out) > 4:
-        raise BadRequest("stop must be up to 4 non-empty strings", "fix the stop field",
-                         param="stop")
+        raise SwarmValidationError(
+            400, "stop must be up to 4 non-empty strings", "fix the stop field",
+            param="stop")
     return out
 
 
@@ -342,20 +323,23 @@ def resolve_tool_choice(choice: str | dict[str, Any] | None, tool_names: list[st
         return ToolChoice("auto" if tool_names else "none")
     if isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise BadRequest(f"tool_choice={choice!r} is not one of none, auto, required",
-                             "send none, auto, required or {'type': 'function', ...}",
-                             param="tool_choice")
+            raise SwarmValidationError(
+                400, f"tool_choice={choice!r} is not one of none, auto, required",
+                "send none, auto, required or {'type': 'function', ...}",
+                param="tool_choice")
         if choice == "required" and not tool_names:
-            raise BadRequest("tool_choice='required' but no tools were sent",
-                             "send tools, or drop tool_choice", param="tool_choice")
+            raise SwarmValidationError(400, "tool_choice='required' but no tools were sent",
+                                       "send tools, or drop tool_choice", param="tool_choice")
         return ToolChoice(choice if tool_names else "none")
     fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
     name = fn.get("name") if choice.get("type") == "function" else None
     if not isinstance(name, str):
-        raise BadRequest(f"tool_choice {json.dumps(choice)[:200]} is not a function choice",
-                         "send {'type': 'function', 'function': {'name': ...}}",
-                         param="tool_choice")
+        raise SwarmValidationError(
+            400, f"tool_choice {json.dumps(choice)[:200]} is not a function choice",
+            "send {'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice")
     if name not in tool_names:
-        raise BadRequest(f"tool_choice names {name!r}, which is not among the tools sent",
-                         "name one of the tools", param="tool_choice")
+        raise SwarmValidationError(
+            400, f"tool_choice names {name!r}, which is not among the tools sent",
+            "name one of the tools", param="tool_choice")
     return ToolChoice("function", name)

@@ -30,6 +30,7 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import Field
 
+from ajet.errors import SwarmValidationError
 from ajet.engine.plane.chat_format import ChatFormat, FormatError, ParsedReply, text_content
 from ajet.engine.generation.interface import GenerationResult
 from ajet.engine.plane.openai_api import (
@@ -44,7 +45,6 @@ from ajet.engine.plane.openai_api import (
     token_logprobs,
 )
 from ajet.engine.plane.request_policy import (
-    BadRequest,
     PlaneRequest,
     RequestBody,
     resolve_max_tokens,
@@ -52,6 +52,7 @@ from ajet.engine.plane.request_policy import (
 )
 from ajet.engine.plane.serving import Generation
 from ajet.engine.plane.episode_plane import EpisodePlane
+from ajet.protocol import PlanePath
 
 
 __all__ = ["ResponsesRequest", "responses_request", "responses_router", "responses_to_messages"]
@@ -94,7 +95,7 @@ class ResponsesRequest(RequestBody):
 def responses_router(plane: EpisodePlane) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/responses", response_model=None)
+    @router.post(PlanePath.RESPONSES, response_model=None)
     async def responses(
         request: Request,
         x_episode_uuid: Annotated[str | None, Header(max_length=100)] = None,
@@ -124,9 +125,10 @@ def responses_router(plane: EpisodePlane) -> APIRouter:
 def _check_include(include: list[str] | None) -> bool:
     for value in include or []:
         if value != _LOGPROBS:
-            raise BadRequest(f"include={value!r} is not served: it needs stored state or a "
-                             "built-in tool", f"include only {_LOGPROBS!r}, or nothing",
-                             param="include")
+            raise SwarmValidationError(
+                400, f"include={value!r} is not served: it needs stored state or a "
+                "built-in tool", f"include only {_LOGPROBS!r}, or nothing",
+                param="include")
     return _LOGPROBS in (include or [])
 
 
@@ -153,13 +155,14 @@ def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:
     """A Responses `function` tool as a chat tool; built-in tools are refused by name."""
     kind = tool.get("type")
     if kind != "function":
-        raise BadRequest(f"tools[{index}] is a built-in {kind!r} tool, which is not served on "
-                         "the episode plane", "give the agent a function tool instead",
-                         param=f"tools[{index}].type")
+        raise SwarmValidationError(
+            400, f"tools[{index}] is a built-in {kind!r} tool, which is not served on "
+            "the episode plane", "give the agent a function tool instead",
+            param=f"tools[{index}].type")
     name = tool.get("name")
     if not isinstance(name, str) or not name:
-        raise BadRequest(f"tools[{index}] has no name", "name every function tool",
-                         param=f"tools[{index}].name")
+        raise SwarmValidationError(400, f"tools[{index}] has no name", "name every function tool",
+                                   param=f"tools[{index}].name")
     function = {"name": name, "description": tool.get("description"),
                 "parameters": tool.get("parameters"), "strict": tool.get("strict")}
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
@@ -178,9 +181,9 @@ def responses_to_messages(instructions: str | None, items: str | list[dict[str, 
         if kind == "message":
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
-                raise BadRequest(f"input[{index}] has role {role!r}",
-                                 "use system, developer, user or assistant",
-                                 param=f"input[{index}].role")
+                raise SwarmValidationError(400, f"input[{index}] has role {role!r}",
+                                           "use system, developer, user or assistant",
+                                           param=f"input[{index}].role")
             messages.append({"role": role, "content": _text(item.get("content"), index)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -195,11 +198,13 @@ def responses_to_messages(instructions: str | None, items: str | list[dict[str, 
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": _text(item.get("output"), index)})
         else:
-            raise BadRequest(f"input[{index}] is an item of type {kind!r}, which needs state "
-                             "or a built-in tool", "send message, function_call and "
-                             "function_call_output items", param=f"input[{index}].type")
+            raise SwarmValidationError(
+                400, f"input[{index}] is an item of type {kind!r}, which needs state "
+                "or a built-in tool", "send message, function_call and "
+                "function_call_output items", param=f"input[{index}].type")
     if not messages:
-        raise BadRequest("input is empty", "send the conversation as input", param="input")
+        raise SwarmValidationError(
+            400, "input is empty", "send the conversation as input", param="input")
     return messages
 
 
@@ -207,7 +212,7 @@ def _text(content: Any, index: int) -> str:
     try:
         return text_content(content, param=f"input[{index}].content")
     except FormatError as exc:
-        raise BadRequest(str(exc), exc.hint, param=exc.param) from exc
+        raise SwarmValidationError(400, str(exc), exc.hint, param=exc.param) from exc
 
 
 # ---------------------------------------------------------------------------- output

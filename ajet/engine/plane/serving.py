@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 
-from ajet.engine.plane.episodes import EpisodeClosed, EpisodeError, EpisodeRegistry
+from ajet.errors import EngineStateConflict, SwarmHTTPError, SwarmValidationError
+from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationHandle,
@@ -34,33 +36,7 @@ from ajet.engine.generation.interface import (
 )
 from ajet.engine.trajectory import ChatMessage, Completion
 
-__all__ = ["EngineUnavailable", "Generation", "GenerationAsk", "GenerationTracker",
-           "PromptTooLong", "start_generation"]
-
-
-class EngineUnavailable(EpisodeError):
-    """503: no policy loaded yet, shutting down, or generation failed (see the log)."""
-
-    status = 503
-
-
-class PromptTooLong(EpisodeError):
-    """400: the prompt does not fit the model's context or the KV cache."""
-
-    status = 400
-    param = "messages"
-
-
-@dataclass(frozen=True)
-class GenerationAsk:
-    """What to generate, in the generation loop's terms."""
-
-    prompt_ids: list[int]
-    max_new_tokens: int
-    stop: tuple[str, ...] = ()
-    #: None = the run's setting (always, in training episodes)
-    temperature: float | None = None
-    top_p: float | None = None
+__all__ = ["Generation", "GenerationTracker", "start_generation"]
 
 
 @dataclass(eq=False)  # one object per generation: hashed by identity
@@ -88,14 +64,15 @@ class Generation:
         if kind == "done" and isinstance(payload, BaseException):
             self.release()
             if isinstance(payload, GenerationCancelled):
-                raise EpisodeClosed(f"the reply for episode {self.episode_uuid} was cancelled "
-                                    "(the episode was aborted, or its client went away)",
-                                    "call begin_episode for a new episode")
+                raise EngineStateConflict(
+                    409, f"the reply for episode {self.episode_uuid} was cancelled "
+                    "(the episode was aborted, or its client went away)",
+                    "call begin_episode for a new episode")
             if isinstance(payload, GenerationInterrupted):
-                raise EngineUnavailable(f"generation was interrupted: {payload}",
-                                        "retry the request", retry_after_s=1.0)
-            raise EngineUnavailable(f"generation failed: {payload}",
-                                    "see the engine log (GET /runs/current/logs)")
+                raise SwarmHTTPError(503, f"generation was interrupted: {payload}",
+                                     "retry the request", retry_after_s=1.0)
+            raise SwarmHTTPError(503, f"generation failed: {payload}",
+                                 "see the engine log (GET /runs/current/logs)")
         return kind, payload
 
     async def wait(self) -> GenerationResult:
@@ -125,7 +102,7 @@ class Generation:
                                 reply=reply)
         self._close()
         if not self.registry.chat_finished(self.episode_uuid, completion):
-            raise EpisodeClosed(
+            raise EngineStateConflict(409,
                 f"episode {self.episode_uuid} was closed (aborted or timed out) while its "
                 "reply was generated; the reply is discarded",
                 "call begin_episode for a new episode")
@@ -180,9 +157,11 @@ async def _release_when_gone(request: Request, generation: Generation) -> None:
 
 
 def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uuid: str,
-                     ask: GenerationAsk, *, streaming: bool, request: Request | None = None,
+                     ask: GenerationRequest, *, streaming: bool,
+                     request: Request | None = None,
                      tracker: GenerationTracker | None = None) -> Generation:
-    """Submit `ask` for the episode; its deltas and result arrive on the Generation's queue.
+    """Submit `ask` for the episode (its callbacks and session set here); its deltas and
+    result arrive on the Generation's queue.
 
     The episode must be marked busy by the caller (`registry.chat_started`) first. With
     `request` (a non-streamed reply, whose body is read), the generation is cancelled if
@@ -204,17 +183,16 @@ def start_generation(registry: EpisodeRegistry, inference: Generator, episode_uu
         post("delta", text)
 
     try:
-        generation.handle = inference.submit(GenerationRequest(
-            prompt_ids=ask.prompt_ids, max_new_tokens=ask.max_new_tokens, on_done=on_done,
-            on_delta=on_delta if streaming else None, stop=ask.stop,
-            temperature=ask.temperature, top_p=ask.top_p, session=episode_uuid))
+        generation.handle = inference.submit(dataclasses.replace(
+            ask, on_done=on_done, on_delta=on_delta if streaming else None,
+            session=episode_uuid))
     except GenerationRefused as exc:
         generation.release()
-        raise PromptTooLong(f"cannot generate for this prompt: {exc}",
-                            "shorten the conversation") from exc
+        raise SwarmValidationError(400, f"cannot generate for this prompt: {exc}",
+                                   "shorten the conversation", param="messages") from exc
     except RuntimeError as exc:
         generation.release()
-        raise EngineUnavailable(str(exc), "retry once the engine is ENGINE.ROLLING") from exc
+        raise SwarmHTTPError(503, str(exc), "retry once the engine is ENGINE.ROLLING") from exc
     if tracker is not None:
         tracker.add(generation)
     if request is not None and not streaming:

@@ -40,8 +40,11 @@ class ChannelServer:
         self.tcp_host = tcp_host
         #: (host, port) once started on TCP
         self.tcp_address: tuple[str, int] | None = None
+        # no `date` or `server` header: the peer (the swarm server, another rank) parses
+        # every reply on the episode plane's hot path and reads neither
         config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, server_header=False,
+                                date_header=False)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 

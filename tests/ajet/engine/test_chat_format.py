@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from ajet.errors import SwarmValidationError
 from ajet.engine.plane.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
 from ajet.engine.plane.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
 from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
 from ajet.engine.generation.interface import GenerationRequest, GenerationResult, Generator
 from ajet.engine.plane.request_policy import (
-    BadRequest,
     check_parameters,
     resolve_sampling,
     resolve_tool_choice,
@@ -133,10 +133,10 @@ def test_parameters_are_honoured_ignored_or_refused_by_name() -> None:
                      accepted=accepted)
     for body in ({"n": 3}, {"seed": 1}, {"logit_bias": {"1": 2}}, {"mystery": 1},
                  {"response_format": {"type": "json_schema"}}):
-        with pytest.raises(BadRequest) as info:
+        with pytest.raises(SwarmValidationError) as info:
             check_parameters(body, accepted=accepted)
         assert info.value.param == next(iter(body)) and info.value.hint
-    with pytest.raises(BadRequest, match="not among the tools"):
+    with pytest.raises(SwarmValidationError, match="not among the tools"):
         resolve_tool_choice({"type": "function", "function": {"name": "x"}}, ["y"])
     assert resolve_tool_choice({"type": "function", "name": "y"}, ["y"]).name == "y"
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ajet.engine.plane.episodes import CLIENT_ACTIVE_TIMEOUT_S, EpisodeRegistry, NotOwner
+from ajet.errors import SwarmAuthError
+from ajet.engine.plane.episodes import CLIENT_ACTIVE_TIMEOUT_S, EpisodeRegistry
 from ajet.protocol import EngineState
 from tests.support.engine import FakeClock
 
@@ -112,7 +113,7 @@ def test_only_the_claiming_client_ends_or_aborts_its_episode() -> None:
     for call in (lambda c: reg.end(episode.uuid, task_id="a", reward=1.0, client_uuid=c),
                  lambda c: reg.abort(episode.uuid, client_uuid=c)):
         for intruder in ("intruder", None):
-            with pytest.raises(NotOwner) as info:
+            with pytest.raises(SwarmAuthError) as info:
                 call(intruder)
             assert info.value.status == 403
     assert reg.can_continue(episode.uuid, "owner")

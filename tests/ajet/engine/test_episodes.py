@@ -12,13 +12,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ajet.engine.plane.episodes import (
-    EpisodeClosed,
-    EpisodeError,
-    EpisodeRegistry,
-    NotAccepting,
-    UnknownEpisode,
-)
+from ajet.errors import EngineStateConflict, SwarmHTTPError, SwarmNotFound
+from ajet.engine.plane.episodes import EpisodeRegistry
 from ajet.engine.trajectory import Completion
 from ajet.protocol import EngineState
 from tests.support.engine import FakeClock
@@ -42,7 +37,7 @@ def test_begin_is_refused_unless_rolling_with_state_and_retry_hint() -> None:
     reg, _ = make()
     for state in (EngineState.BOOTING, EngineState.ROLLING_POST, EngineState.WEIGHT_SYNCING):
         reg.set_state(state)
-        with pytest.raises(NotAccepting) as info:
+        with pytest.raises(EngineStateConflict) as info:
             reg.begin()
         assert info.value.status == 409
         assert state.value in info.value.detail
@@ -54,7 +49,7 @@ def test_begin_is_refused_unless_rolling_with_state_and_retry_hint() -> None:
 def test_slots_are_limited_and_freed_by_end_abort_and_timeout() -> None:
     reg, clock = make(max_in_flight=3, timeout=5.0)
     a, b, c = reg.begin(), reg.begin(), reg.begin()
-    with pytest.raises(NotAccepting, match="slots"):
+    with pytest.raises(EngineStateConflict, match="slots"):
         reg.begin()
     reg.end(a.uuid, task_id="t", reward=1.0)
     d = reg.begin()
@@ -68,14 +63,14 @@ def test_slots_are_limited_and_freed_by_end_abort_and_timeout() -> None:
 
 def test_unknown_and_closed_episodes_are_404_and_409() -> None:
     reg, _ = make()
-    with pytest.raises(UnknownEpisode) as info:
+    with pytest.raises(SwarmNotFound) as info:
         reg.end("nope", task_id="t", reward=0.0)
     assert info.value.status == 404
     ep = reg.begin()
     reg.end(ep.uuid, task_id="t", reward=0.5)
     for call in (lambda: reg.end(ep.uuid, task_id="t", reward=0.5),
                  lambda: reg.abort(ep.uuid), lambda: reg.chat_started(ep.uuid)):
-        with pytest.raises(EpisodeClosed, match="already ended") as closed:
+        with pytest.raises(EngineStateConflict, match="already ended") as closed:
             call()
         assert closed.value.status == 409
 
@@ -91,7 +86,7 @@ def test_busy_episode_never_times_out_and_idle_counts_from_last_activity() -> No
     assert reg.sweep() == []
     clock.now += 2.0
     assert reg.sweep() == [ep.uuid]
-    with pytest.raises(EpisodeClosed, match="timed out"):
+    with pytest.raises(EngineStateConflict, match="timed out"):
         reg.end(ep.uuid, task_id="t", reward=1.0)
 
 
@@ -99,7 +94,7 @@ def test_an_expired_claim_is_timed_out_at_the_next_call_even_before_a_sweep() ->
     reg, clock = make(timeout=5.0)
     ep = reg.begin()
     clock.now += 6.0
-    with pytest.raises(EpisodeClosed, match="timed out"):
+    with pytest.raises(EngineStateConflict, match="timed out"):
         reg.end(ep.uuid, task_id="t", reward=1.0)
     assert reg.in_flight() == 0 and reg.counters["timed_out"] == 1
     assert reg.sweep() == []
@@ -167,9 +162,9 @@ def test_every_order_of_end_abort_timeout_keeps_groups_and_trains_once(ops: tupl
                 clock.now += 6.0
                 if not reg.sweep() and first_close is None:
                     pytest.fail("an idle claimed episode did not time out")
-        except EpisodeError as exc:
+        except SwarmHTTPError as exc:
             assert first_close is not None, f"{op} refused on a live episode: {exc}"
-            assert isinstance(exc, EpisodeClosed) and exc.status == 409
+            assert isinstance(exc, EngineStateConflict) and exc.status == 409
             continue
         if op != "chat" and first_close is None:
             first_close = op
@@ -212,7 +207,7 @@ class RegistryMachine(RuleBasedStateMachine):
     def begin(self, timeout: float | None) -> None:
         try:
             self.issued.append(self.reg.begin(timeout_s=timeout).uuid)
-        except NotAccepting:
+        except EngineStateConflict:
             assert (self.reg.state != EngineState.ROLLING
                     or self.reg.in_flight() >= self.reg.max_in_flight)
 
@@ -224,13 +219,13 @@ class RegistryMachine(RuleBasedStateMachine):
             self.reg.end(uuid, task_id=task, reward=reward)
             assert uuid not in self.ended
             self.ended.add(uuid)
-        except EpisodeClosed:
+        except EngineStateConflict:
             pass
 
     @precondition(lambda self: self.issued)
     @rule(i=st.integers(0, 1000))
     def abort(self, i: int) -> None:
-        with contextlib.suppress(EpisodeClosed):
+        with contextlib.suppress(EngineStateConflict):
             self.reg.abort(self.issued[i % len(self.issued)])
 
     @precondition(lambda self: self.issued)
@@ -239,13 +234,13 @@ class RegistryMachine(RuleBasedStateMachine):
         uuid = self.issued[i % len(self.issued)]
         try:
             self.reg.chat_started(uuid)
-        except EpisodeClosed:
+        except EngineStateConflict:
             return
         self.reg.chat_finished(uuid, completion())
 
     @rule()
     def unknown(self) -> None:
-        with pytest.raises(UnknownEpisode):
+        with pytest.raises(SwarmNotFound):
             self.reg.end("never-issued", task_id="x", reward=0.0)
 
     @rule(dt=st.floats(0.0, 8.0))
