@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -72,6 +73,8 @@ def spawn_engine(root: Path, job: AgentJetJob | str, *, run_id: str = "test-run"
     text = job if isinstance(job, str) else job.to_yaml()
     (run_dir / "job.yaml").write_text(text)
     socket = run_dir / "engine.sock"
+    if len(str(socket)) > 100:  # AF_UNIX's bound; pytest-xdist's temp paths pass it
+        socket = Path(tempfile.mkdtemp(prefix="ajet-eng-")) / "engine.sock"
     log_path = run_dir / "engine.log"
     env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT)}
     env.pop("ISOLATED_AGENTJET_BASE_DIR", None)

@@ -58,7 +58,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["CONTROL_TIMEOUT", "DEFAULT_COLLECTIVE_TIMEOUT_S", "PUBLISH_BUCKET_BYTES", "Dist",
-           "Publication", "clip_grad_norm", "copy_full_weights", "gather_full_weights",
+           "Publication", "average_over_ranks", "clip_grad_norm", "copy_full_weights", "gather_full_weights",
            "group_store", "init_distributed", "start_orphan_watchdog"]
 
 log = logging.getLogger(__name__)
@@ -283,6 +283,13 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], key: tuple[Any, torch.dtyp
         full = by_rank[:, start:start + chunk * row_numel].reshape(
             world * chunk, *param.shape[1:])[:rows]
         yield name, full
+
+
+def average_over_ranks(flat: torch.Tensor) -> None:
+    """In place: a tensor's mean over the ranks (replicated gradients), on the tensor
+    group, named: NCCL on GPUs carries tensors, never a control message."""
+    torch_dist.all_reduce(flat, group=torch_dist.group.WORLD)
+    flat /= torch_dist.get_world_size()
 
 
 def copy_full_weights(source: nn.Module, target: nn.Module | None, *,

@@ -61,7 +61,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ajet.engine.config import EngineConfig
-from ajet.engine.parallel.distributed import Dist, Publication, copy_full_weights
+from ajet.engine.parallel.distributed import (
+    Dist,
+    Publication,
+    average_over_ranks,
+    copy_full_weights,
+)
 from ajet.engine.policy import Policy
 from ajet.engine.scoring import ResponseBatch, ResponseScorer
 
@@ -181,7 +186,6 @@ class TrainingModel:
         calls it after the backward passes of an optimizer step; a no-op otherwise."""
         if not self.replicated:
             return
-        import torch.distributed as torch_dist
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         grads = []
@@ -190,8 +194,7 @@ class TrainingModel:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
         flat = _flatten_dense_tensors(grads)  # one collective for all adapters
-        torch_dist.all_reduce(flat)
-        flat /= torch_dist.get_world_size()
+        average_over_ranks(flat)
         for grad, mean in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
             grad.copy_(mean)
 

@@ -95,7 +95,10 @@ def test_no_control_collective_in_the_engine_runs_on_the_default_group() -> None
             found.append((path.relative_to(PROJECT_ROOT).as_posix(), node.func.attr,
                           ast.unparse(group) if group is not None else None))
     assert found, "no collective found: the scan is looking in the wrong place"
-    assert {(f, call) for f, call, group in found if group != "self.control"} == set(), found
+    # a tensor collective names the tensor group, and only in distributed.py
+    tensor_ok = {("ajet/engine/parallel/distributed.py", "torch_dist.group.WORLD")}
+    assert {(f, call) for f, call, group in found
+            if group != "self.control" and (f, group) not in tensor_ok} == set(), found
 
 
 def _episodes(client: SwarmClient, n: int) -> None:
