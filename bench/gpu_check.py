@@ -240,7 +240,8 @@ def job_for(args: argparse.Namespace, model_dir: Path, *, lora_rank: int = 0,
         lora_target_modules="all-linear", lora_save_merged=False,
         activation_checkpointing=True, micro_batch_tokens=args.micro_batch_tokens,
         mini_batch_num=1, gpu_memory_gb=80.0, gpu_memory_utilization=0.85,
-        fsdp=world_size > 1 or None,
+        fsdp=world_size > 1 or None, recompute_old_logprobs="auto",
+        timeline_merging=True, timeline_compare_level="token", train_agents=[],
         # the original AgentJet's names, at their defaults
         # the episodes open at once: the KV cache is sized for every request together
         use_kl_loss=True, max_env_worker=args.requests,
@@ -466,16 +467,17 @@ def one_process_phase(args: argparse.Namespace, model_dir: Path, workdir: Path, 
     policy = load_policy(model_dir, device=device, dtype=cfg.dtype, seed=0)
     learner = Learner(policy, cfg, dist)
     master = learner.model.params[0]
-    autocast = learner.model.scorer.autocast_dtype
-    if on_gpu and (master.dtype != torch.float32 or autocast != torch.bfloat16
-                   or learner.model.hf_model is policy.model):
-        raise GPUCheckFailed(f"one GPU process trains {master.dtype} under autocast "
-                             f"{autocast}, expected an fp32 copy under bf16 autocast")
+    shared = learner.model.hf_model is policy.model
+    # LoRA keeps one base, the generation model's, and trains fp32 adapters on it
+    if on_gpu and (master.dtype != torch.float32 or not shared):
+        raise GPUCheckFailed(f"LoRA on one GPU trains {master.dtype} adapters "
+                             f"{'on the generation model' if shared else 'on a second copy'}; "
+                             "expected fp32 adapters on the one shared base")
     if not learner.model.lora or ".lora_" not in _first_trainable(learner):
         raise GPUCheckFailed("LoRA is not what trains")
-    shared = learner.model.hf_model is policy.model
-    how = (f"{cfg.dtype}, training the generation model itself" if shared else
-           f"an fp32 copy under {cfg.dtype} autocast, published to a {cfg.dtype} inference copy")
+    how = (f"fp32 adapters on the {cfg.dtype} generation model itself (one base)" if shared
+           else f"an fp32 copy under {cfg.dtype} autocast, published to a {cfg.dtype} "
+                "inference copy")
     say(f"phase 1, one process: {how}; LoRA rank {LORA_RANK} "
         f"({sum(p.numel() for p in learner.model.params) / 1e6:.2f}M trainable), KL "
         f"{KL_COEF} to the adapters-off model, {min(args.steps, 2)} update(s)")

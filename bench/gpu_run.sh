@@ -3,7 +3,7 @@
 #
 #   bash bench/gpu_run.sh OUT_DIR [BUDGET_S]     # BUDGET_S: seconds in all, default 300
 #
-# 1. python3 bench/gpu_check.py (every mode that fits one GPU), its output in OUT_DIR;
+# 1. python3 bench/gpu_check.py (every mode that fits one GPU; half the budget), its output in OUT_DIR;
 # 2. the GPU bundle installed offline (bench/gpu_install.sh), then bench/gpu_e2e.py on a
 #    Qwen2.5-0.5B-shaped model (and 1.5B when time is left): server, engine, 64 workers;
 # 3. every figure printed and written as files under OUT_DIR.
@@ -18,7 +18,7 @@ left() { echo $(( budget - ($(date +%s) - start) )); }
 status=0
 
 echo "== gpu_check"
-timeout $(( $(left) * 2 / 5 )) python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.txt"
+timeout $(( $(left) / 2 )) python3 bench/gpu_check.py 2>&1 | tee "$out/gpu_check.txt"
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || { echo "gpu_check: exit $rc"; status=1; }
 
 echo "== install the bundle ($(left) s left)"

@@ -24,7 +24,6 @@ import logging
 import time
 import typing
 from collections.abc import Callable
-from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -83,8 +82,11 @@ _MAX_LISTED_KEYS = 40
 
 @functools.cache
 def default_job_values() -> dict[str, Any]:
-    """The defaults from `ajet/default_config/job.yaml`."""
-    text = resources.files("ajet").joinpath("default_config/job.yaml").read_text("utf-8")
+    """The defaults from `ajet/default_config/job.yaml`, beside this module: the code that
+    reads the defaults and the defaults come from the same tree, even when another `ajet`
+    is first on `sys.path` (a synced snapshot that lacks the file, say)."""
+    text = (Path(__file__).resolve().parents[1] / "default_config" / "job.yaml").read_text(
+        "utf-8")
     return dict(yaml.safe_load(text))
 
 

@@ -61,11 +61,12 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
 
 @pytest.mark.slow
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
-    # in bf16, as on a GPU: an fp32 copy under autocast, the publication cast to bf16
+    # in bf16, as on a GPU: LoRA's fp32 adapters on the one bf16 base, then FSDP2's
+    # fp32 masters with the publication cast to bf16
     result = _run(*SMOKE, "--dtype", "bfloat16", "--steps", "2", "--requests", "8")
     out = result.stdout
     assert result.returncode == 0, out + result.stderr
-    assert "phase 1, one process: an fp32 copy under bfloat16 autocast" in out
+    assert "phase 1, one process: fp32 adapters on the bfloat16 generation model itself" in out
     assert "LoRA rank 16" in out
     assert "FSDP2 over a 1-rank gloo group (control on gloo): float32 masters + bfloat16" in out
     assert "activation checkpointing on" in out and "a frozen KL reference" in out
