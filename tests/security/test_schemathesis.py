@@ -17,7 +17,7 @@ from ajet.protocol import EngineState
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN
 from tests.support.factory import Server, ServerFactory
 from tests.support.fake_engine import server_env
-from tests.support.fuzz import CTL, fuzz, state
+from tests.support.fuzz import CTL, ensure_rolling, fuzz, state
 
 pytestmark = pytest.mark.slow
 
