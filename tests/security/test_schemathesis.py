@@ -6,38 +6,16 @@ with the engine ROLLING: test_schemathesis_rolling.py.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import schemathesis
 
 from ajet.protocol import EngineState
-from tests.support import CONTROL_TOKEN, WORKER_TOKEN
-from tests.support.factory import Server, ServerFactory
-from tests.support.fake_engine import server_env
-from tests.support.fuzz import CTL, ensure_rolling, fuzz, state
+from tests.support.factory import Server
+from tests.support.fuzz import ensure_rolling, fuzz, state
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def srv(server_factory: ServerFactory) -> Server:
-    # a real server process: schemathesis sends its cases over HTTP with requests
-    return server_factory(env=server_env(AJET_SWARM_TOKEN=CONTROL_TOKEN,
-                                         AJET_SWARM_WORKER_TOKEN=WORKER_TOKEN), process=True)
-
-
-@pytest.fixture(scope="module")
-def schema(srv: Server) -> Any:
-    return schemathesis.openapi.from_url(f"{srv.url}/openapi.json", headers=CTL, timeout=30)
-
-
-@pytest.fixture(scope="module")
-def http(srv: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=srv.url, headers=CTL, timeout=60) as client:
-        yield client
 
 
 def test_no_5xx_and_schema_conformance_with_the_engine_offline(
