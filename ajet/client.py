@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
-from urllib.parse import urlsplit
+from typing import Any, Literal, TypeVar, overload
+from urllib.parse import quote, urlsplit
 
 import httpx
 from pydantic import BaseModel
@@ -63,6 +63,7 @@ from ajet.protocol import (
     ServerCodePublic,
     SnapshotPublic,
     SnapshotsPage,
+    StartRunRequest,
     StopEngineResponse,
     VersionResponse,
 )
@@ -190,23 +191,66 @@ class SwarmClient:
         except SwarmNotFound:
             return None
 
-    def start_run(self, *, force_restart: bool = False, wait: bool = False,
-                  wait_timeout: float = 300.0) -> EngineStatus:
-        """Start the engine with the current config; optionally wait until it serves."""
-        status = self._call("POST", "/start_engine", json={"force_restart": force_restart},
-                            model=EngineStatus, timeout=max(self._timeout, 60.0))
+    @overload
+    def start_run(self, job: None = None, *, force_restart: bool = False, wait: bool = False,
+                  wait_timeout: float = 300.0) -> EngineStatus: ...
+
+    @overload
+    def start_run(self, job: AgentJetJob | str | None = None, *, snapshot_id: str | None = None,
+                  name: str | None = None, queue: bool = True, wait: bool = False,
+                  wait_timeout: float = 300.0) -> RunPublic: ...
+
+    def start_run(self, job: AgentJetJob | str | None = None, *, snapshot_id: str | None = None,
+                  name: str | None = None, queue: bool = True, force_restart: bool = False,
+                  wait: bool = False, wait_timeout: float = 300.0) -> EngineStatus | RunPublic:
+        """Start a run; optionally wait until it serves episodes.
+
+        With none of `job`, `snapshot_id` and `name`: the default run (`/start_engine`),
+        with the stored config on the active snapshot; returns its `EngineStatus`.
+
+        With any of them: a run beside the ones already running (`POST /runs`), pinned
+        to `snapshot_id` (default: the active snapshot) and `job` (default: the stored
+        config), on device slots of its own; returns its `RunPublic`. `name` (unique
+        among active runs) addresses it in every other call. While the devices it needs
+        are busy it waits in the server's queue (`queue_position`, `queue_reason`), or,
+        with `queue=False`, is refused with `EngineStateConflict`. With `wait`, returns
+        once it serves (queue time counts against `wait_timeout`).
+        """
+        if job is None and snapshot_id is None and name is None:
+            status = self._call("POST", "/start_engine", json={"force_restart": force_restart},
+                                model=EngineStatus, timeout=max(self._timeout, 60.0))
+            if wait:
+                return self.wait_for_state(SERVING_STATES, timeout=wait_timeout)
+            return status
+        if force_restart:
+            raise ValueError("force_restart applies to the default run only; stop_run(name) "
+                             "a concurrent run first, then start it again")
+        text = job.submit_yaml() if isinstance(job, AgentJetJob) else job
+        body = StartRunRequest(snapshot_id=snapshot_id, yaml=text, name=name, queue=queue)
+        run = self._call("POST", "/runs", json=body.model_dump(exclude_none=True),
+                         model=RunPublic, timeout=max(self._timeout, 60.0))
         if wait:
-            return self.wait_for_state(SERVING_STATES, timeout=wait_timeout)
-        return status
+            self.wait_for_state(SERVING_STATES, run=run.run_id, timeout=wait_timeout)
+            return self.get_run(run.run_id)
+        return run
 
-    def stop_run(self, *, reason: str = "stopped by request") -> StopEngineResponse:
-        """Stop the engine (idempotent); says whether anything was running, which
-        checkpoint the stop waited for and the run's last complete one.
+    def stop_run(self, run: str | None = None, *,
+                 reason: str = "stopped by request") -> StopEngineResponse:
+        """Stop a run (idempotent); says whether anything was running, which checkpoint
+        the stop waited for and the run's last complete one.
 
-        Waits as long as the server may (a run's stop grace covers its final checkpoint:
-        minutes for a 7B model, at most the server's max_stop_grace_s)."""
-        return self._call("POST", "/stop_engine", json={"reason": reason},
+        `run` is a run id or name (`POST /runs/{run}/stop`; a queued run leaves the
+        queue); without it, the default run (`/stop_engine`). Waits as long as the
+        server may (a run's stop grace covers its final checkpoint: minutes for a 7B
+        model, at most the server's max_stop_grace_s)."""
+        path = "/stop_engine" if run is None else f"/runs/{_ref(run)}/stop"
+        return self._call("POST", path, json={"reason": reason},
                           model=StopEngineResponse, timeout=max(self._timeout, _STOP_TIMEOUT_S))
+
+    def run_status(self, run: str = "current") -> EngineStatus:
+        """One run's own state, step, last error, device slots and, while it waits, its
+        queue position and reason (`run`: a run id, a name, or 'current')."""
+        return self._call("GET", f"/runs/{_ref(run)}/status", model=EngineStatus)
 
     def configure_and_start(
         self, job: AgentJetJob, force_restart: bool = False, *, wait_timeout: float = 300.0
@@ -230,17 +274,20 @@ class SwarmClient:
         return self.start_run(wait=True, wait_timeout=wait_timeout)
 
     def wait_for_state(self, states: EngineState | tuple[EngineState, ...], *,
-                       timeout: float = 300.0, poll_interval: float = 0.1) -> EngineStatus:
-        """Poll until the engine is in one of `states`.
+                       run: str | None = None, timeout: float = 300.0,
+                       poll_interval: float = 0.1) -> EngineStatus:
+        """Poll until the engine (of `run`, a run id or name; default: the default run)
+        is in one of `states`.
 
         Raises `SwarmError` with the engine's `last_error` if it falls back to OFFLINE
-        while waiting for another state, and `SwarmTimeout` past the deadline.
+        while waiting for another state, and `SwarmTimeout` past the deadline. A queued
+        run is OFFLINE without an error: the wait goes on through the queue.
         """
         wanted = (states,) if isinstance(states, EngineState) else tuple(states)
         deadline = time.monotonic() + timeout
         seen_other = False
         while True:
-            status = self.engine_status()
+            status = self.engine_status() if run is None else self.run_status(run)
             if status.state in wanted:
                 return status
             if status.state == EngineState.OFFLINE and EngineState.OFFLINE not in wanted:
@@ -252,8 +299,11 @@ class SwarmClient:
             else:
                 seen_other = True
             if time.monotonic() > deadline:
+                queued = (f" (queued #{status.queue_position}: {status.queue_reason})"
+                          if status.queue_position is not None else "")
                 raise SwarmTimeout(
-                    f"engine still {status.state} after {timeout:.0f}s waiting for "
+                    f"engine{'' if run is None else ' of run ' + run} still {status.state}"
+                    f"{queued} after {timeout:.0f}s waiting for "
                     f"{', '.join(s.value for s in wanted)}; check get_run_logs()"
                 )
             time.sleep(poll_interval)
@@ -360,9 +410,14 @@ class SwarmClient:
 
     # ------------------------------------------------------------------ runs
 
-    def list_runs(self, *, experiment_name: str | None = None, status: str | None = None,
+    def list_runs(self, *, state: Literal["active", "ended", "all"] | None = None,
+                  experiment_name: str | None = None, status: str | None = None,
                   offset: int = 0, limit: int = 20) -> RunsPage:
+        """Runs, newest first; `state='active'` the queued and running ones only. The page
+        carries the server's device pool (`devices`: slots free, held per run, queue)."""
         params: dict[str, Any] = {"offset": offset, "limit": limit}
+        if state:
+            params["state"] = state
         if experiment_name:
             params["experiment_name"] = experiment_name
         if status:
@@ -370,12 +425,13 @@ class SwarmClient:
         return self._call("GET", "/runs", params=params, model=RunsPage)
 
     def get_run(self, run_id: str) -> RunPublic:
-        return self._call("GET", f"/runs/{run_id}", model=RunPublic)
+        """One run with its config (`run_id`: a run id, a name, or 'current')."""
+        return self._call("GET", f"/runs/{_ref(run_id)}", model=RunPublic)
 
     def get_metrics(self, run_id: str = "current", *, since_step: int | None = None,
                     fields: list[str] | None = None, max_points: int | None = None
                     ) -> MetricsResponse:
-        """Per-step metrics of a run ('current' = the engine's run)."""
+        """Per-step metrics of a run (a run id, a name, or 'current': the default run)."""
         params: dict[str, Any] = {}
         if since_step is not None:
             params["since_step"] = since_step
@@ -383,13 +439,14 @@ class SwarmClient:
             params["fields"] = ",".join(fields)
         if max_points is not None:
             params["max_points"] = max_points
-        return self._call("GET", f"/runs/{run_id}/metrics", params=params, model=MetricsResponse)
+        return self._call("GET", f"/runs/{_ref(run_id)}/metrics", params=params,
+                          model=MetricsResponse)
 
     def get_samples(self, step: int, run_id: str = "current", *, offset: int = 0,
                     limit: int = 20) -> SamplesPage:
         """One page of a training step's samples (token ids, text, loss mask, log-probs,
         the completions each merged); `next_offset` names the next page."""
-        return self._call("GET", f"/runs/{run_id}/samples",
+        return self._call("GET", f"/runs/{_ref(run_id)}/samples",
                           params={"step": step, "offset": offset, "limit": limit},
                           model=SamplesPage)
 
@@ -402,15 +459,15 @@ class SwarmClient:
             params["grep"] = grep
             if regex:
                 params["regex"] = "true"
-        return self._call("GET", f"/runs/{run_id}/logs", params=params, model=LogsResponse)
+        return self._call("GET", f"/runs/{_ref(run_id)}/logs", params=params, model=LogsResponse)
 
     def list_checkpoints(self, run_id: str = "current") -> CheckpointsPage:
         """A run's checkpoints: name, step, kind, size, complete or not."""
-        return self._call("GET", f"/runs/{run_id}/checkpoints", model=CheckpointsPage)
+        return self._call("GET", f"/runs/{_ref(run_id)}/checkpoints", model=CheckpointsPage)
 
     def checkpoint_manifest(self, run_id: str, name: str) -> CheckpointManifest:
         """Every file of a checkpoint with its sha256, and the archive's size and ETag."""
-        return self._call("GET", f"/runs/{run_id}/checkpoints/{name}",
+        return self._call("GET", f"/runs/{_ref(run_id)}/checkpoints/{name}",
                           model=CheckpointManifest, timeout=max(self._timeout, 600.0))
 
     @contextmanager
@@ -418,7 +475,7 @@ class SwarmClient:
                                 if_range: str | None = None) -> Iterator[httpx.Response]:
         """The checkpoint's tar as a streamed response; from byte `start` (a 206) when
         `if_range` (the manifest's ETag) still matches, else the whole archive (a 200)."""
-        path = f"/runs/{run_id}/checkpoints/{name}/archive"
+        path = f"/runs/{_ref(run_id)}/checkpoints/{name}/archive"
         headers = {"Range": f"bytes={start}-"} if start else {}
         if start and if_range:
             headers["If-Range"] = if_range
@@ -455,12 +512,15 @@ class SwarmClient:
 
     def open_episode(self, discard_episode_timeout: float | None = None, *,
                      episode_type: str = "train", client_uuid: str | None = None,
-                     task_id: str | None = None, **metadata: Any) -> BeginEpisodeResponse:
+                     task_id: str | None = None, run_id: str | None = None,
+                     **metadata: Any) -> BeginEpisodeResponse:
         """Claim an episode; returns its uuid and an OpenAI base URL and key bound to it
         (and `anthropic_base_url`, the server root, for Anthropic clients: same key).
 
         `episode_type="eval"` episodes are served but never trained on; with
-        `client_uuid`, only that client may end or abort the episode.
+        `client_uuid`, only that client may end or abort the episode. `run_id` (a run id
+        or name) claims it from that run, and its key works only there; without it, the
+        default run's. Ending, aborting and chatting route by the episode itself.
         """
         body: dict[str, Any] = {"metadata": metadata, "episode_type": episode_type}
         if discard_episode_timeout is not None:
@@ -469,6 +529,8 @@ class SwarmClient:
             body["client_uuid"] = client_uuid
         if task_id is not None:
             body["task_id"] = task_id
+        if run_id is not None:
+            body["run_id"] = run_id
         return self._call("POST", "/begin_episode", json=body, model=BeginEpisodeResponse)
 
     def report_episode(self, episode_uuid: str, task_id: str, reward: float, *,
@@ -561,6 +623,11 @@ class SwarmClient:
         raise SwarmTimeout(
             f"local swarm server not healthy after {deadline_s:.0f}s; see {self._server_log}"
         )
+
+
+def _ref(run: str) -> str:
+    """A run id or name as one path segment (names are plain, but never trust that)."""
+    return quote(run, safe="")
 
 
 def _tail(path: Path, n: int) -> str:

@@ -18,6 +18,11 @@ A workflow that fails the same way `max_identical_errors` times in a row (a miss
 package, a wrong URL) stops the runner: `stats().stopped_reason` names the error and
 what to do, instead of retrying forever.
 
+With `run_id` (a run id or name of `POST /runs`) every episode is claimed from that run
+(its key works only there); without it, from the default run. A run the server does not
+know (a wrong name, or one that ended and left no record under that name) stops the
+runner with the reason in `stopped_reason`.
+
 No torch here: this runs on the laptop (`ajet.rollout` is imported by the MCP bridge).
 """
 
@@ -39,7 +44,13 @@ from typing import Any
 from ajet.client import SwarmClient
 # A boundary import: the runner also takes the original's WorkflowOutput (ajet.schema.task)
 from ajet.compat.boundary import workflow_output_fields
-from ajet.errors import EngineStateConflict, SwarmConnectionError, SwarmError, SwarmHTTPError
+from ajet.errors import (
+    EngineStateConflict,
+    SwarmConnectionError,
+    SwarmError,
+    SwarmHTTPError,
+    SwarmNotFound,
+)
 from ajet.protocol import BeginEpisodeResponse
 
 __all__ = ["RolloutRunner", "RolloutStats", "WorkflowFn", "WorkflowOutput", "load_workflow",
@@ -112,7 +123,7 @@ class RolloutRunner:
     def __init__(self, client: SwarmClient, workflow: WorkflowFn,
                  tasks: Sequence[dict[str, Any]], *, n_workers: int = 4, num_repeat: int = 1,
                  max_episodes: int | None = None, max_attempts: int = 3,
-                 max_identical_errors: int = 20) -> None:
+                 max_identical_errors: int = 20, run_id: str | None = None) -> None:
         if not tasks:
             raise ValueError("no tasks: pass at least one task dict with a task_id")
         missing = [i for i, t in enumerate(tasks) if "task_id" not in t]
@@ -127,6 +138,8 @@ class RolloutRunner:
         self.max_episodes = max_episodes
         self.max_attempts = max_attempts
         self.max_identical_errors = max_identical_errors
+        #: the run the episodes are claimed from (id or name); None: the default run
+        self.run_id = run_id
         self._feed = _TaskFeed(tasks, num_repeat)
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -206,7 +219,13 @@ class RolloutRunner:
         # for ROLLING, and a run that ended (max_steps) never answers anything but 409
         while not self._stop.is_set() and self._quota_left():
             try:
-                return self.client.open_episode()
+                return self.client.open_episode(run_id=self.run_id)
+            except SwarmNotFound as exc:
+                # a run that is not there will not appear by waiting: stop, say why
+                which = f"run {self.run_id!r}" if self.run_id else "the default run"
+                self._stop_for(f"{which} is not on the server ({exc.detail}); start it (or "
+                               "pick a run that list_runs shows) and start the rollouts again")
+                return None
             except (EngineStateConflict, SwarmConnectionError) as exc:
                 # not ROLLING (or the server is briefly away): wait and try again
                 with self._lock:
@@ -282,6 +301,13 @@ class RolloutRunner:
         self._stop.set()
         return True
 
+    def _stop_for(self, reason: str) -> None:
+        with self._lock:
+            if self._stopped_reason is None:
+                self._stopped_reason = reason
+                log.error("rollouts: %s", reason)
+        self._stop.set()
+
     def _note_error(self, text: str) -> None:
         log.warning("%s", text)
         with self._lock:
@@ -315,10 +341,11 @@ def _as_output(result: float | WorkflowOutput) -> WorkflowOutput:
 
 def run_workflow(client: SwarmClient, workflow: WorkflowFn, tasks: Sequence[dict[str, Any]], *,
                  n_workers: int = 4, num_repeat: int = 1,
-                 max_episodes: int | None = None) -> RolloutStats:
-    """Run until `max_episodes` episodes ended (or forever without it; Ctrl-C stops)."""
+                 max_episodes: int | None = None, run_id: str | None = None) -> RolloutStats:
+    """Run until `max_episodes` episodes ended (or forever without it; Ctrl-C stops);
+    episodes come from run `run_id` (id or name), or the default run."""
     runner = RolloutRunner(client, workflow, tasks, n_workers=n_workers, num_repeat=num_repeat,
-                           max_episodes=max_episodes)
+                           max_episodes=max_episodes, run_id=run_id)
     runner.start()
     try:
         runner.join()

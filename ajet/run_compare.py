@@ -2,6 +2,10 @@
 
 A run that resumed another (`resume_from`) shows where it came from: `resumed_from`,
 `resume_step`, and `chain`, the run ids from the first run of the line to this one.
+Runs of a sweep ran side by side (`POST /runs`, each on devices of its own): `overlaps`
+names each pair that ran at the same time and for how long, so a comparison says which
+runs shared the cluster's conditions (time, load, rollout workers) and which ran apart.
+Runs are named by id or by name; each run counts once.
 
 Used by `SwarmClient.compare_runs(ids, metric)` and the MCP bridge's `compare_runs` tool.
 Everything comes from the server's runs API (`GET /runs/{id}`, `GET /runs/{id}/metrics`);
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -20,8 +25,8 @@ from pydantic import BaseModel, Field
 
 from ajet.protocol import MetricsResponse, RunPublic
 
-__all__ = ["LOWER_IS_BETTER", "ComparedRun", "MetricOutcome", "RunComparison", "RunsReader",
-           "compare_runs"]
+__all__ = ["LOWER_IS_BETTER", "ComparedRun", "MetricOutcome", "RunComparison", "RunOverlap",
+           "RunsReader", "compare_runs", "overlaps"]
 
 #: Metrics for which the best value is the smallest; every other metric is maximised.
 LOWER_IS_BETTER = frozenset({"loss", "kl", "step_time_s", "wall_time_s"})
@@ -48,6 +53,10 @@ class MetricOutcome(BaseModel):
 
 class ComparedRun(BaseModel):
     run_id: str
+    name: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = Field(default=None, description="None while it runs")
+    devices: list[int] = Field(default_factory=list)
     snapshot_id: str
     experiment_name: str
     status: str
@@ -65,6 +74,11 @@ class ComparedRun(BaseModel):
     last_checkpoint: str | None = None
 
 
+class RunOverlap(BaseModel):
+    runs: tuple[str, str]
+    seconds: float = Field(description="How long both ran at once")
+
+
 class RunComparison(BaseModel):
     metric: str
     higher_is_better: bool
@@ -74,6 +88,8 @@ class RunComparison(BaseModel):
         description="field -> run id -> value, for every field whose values differ"
     )
     best_run: str | None = Field(description="The run with the best value of the metric")
+    overlaps: list[RunOverlap] = Field(
+        default_factory=list, description="Pairs of runs that ran at the same time")
 
 
 def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "reward_mean"
@@ -84,7 +100,11 @@ def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "rewa
     """
     if not run_ids:
         raise ValueError("compare_runs needs at least one run id; list_runs() gives them")
-    runs = [client.get_run(run_id) for run_id in run_ids]
+    runs: list[RunPublic] = []
+    for ref in run_ids:
+        run = client.get_run(ref)
+        if all(r.run_id != run.run_id for r in runs):  # a name and an id of one run
+            runs.append(run)
     configs = {run.run_id: _flatten(_load(run.config_yaml)) for run in runs}
     differences = _differences(configs)
     higher_is_better = metric not in LOWER_IS_BETTER
@@ -94,7 +114,8 @@ def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "rewa
         points = client.get_metrics(run.run_id, fields=[metric]).points
         prov = run.provenance
         compared.append(ComparedRun(
-            run_id=run.run_id, snapshot_id=run.snapshot_id, experiment_name=run.experiment_name,
+            run_id=run.run_id, name=run.name, started_at=run.started_at, ended_at=run.ended_at,
+            devices=run.devices, snapshot_id=run.snapshot_id, experiment_name=run.experiment_name,
             status=run.status, reason=run.reason, config_hash=run.config_hash,
             git_head=prov.git_head if prov else None, dirty=prov.dirty if prov else None,
             config={key: values[run.run_id] for key, values in differences.items()},
@@ -109,7 +130,29 @@ def compare_runs(client: RunsReader, run_ids: Sequence[str], metric: str = "rewa
         metric=metric, higher_is_better=higher_is_better, runs=compared,
         same_code=len({run.snapshot_id for run in runs}) == 1,
         config_differences=differences, best_run=best.run_id if best else None,
+        overlaps=overlaps(runs),
     ).model_dump(mode="json")
+
+
+def overlaps(runs: Sequence[RunPublic], *, now: float | None = None) -> list[RunOverlap]:
+    """Each pair of `runs` that ran at the same time, longest overlap first (a run still
+    going counts until `now`; a run still queued never started, so it overlaps nothing)."""
+    now = time.time() if now is None else now
+    spans = [(r.run_id, r.started_at, _end(r, now)) for r in runs if r.status != "queued"]
+    out = []
+    for i, (a, a0, a1) in enumerate(spans):
+        for b, b0, b1 in spans[i + 1:]:
+            both = min(a1, b1) - max(a0, b0)
+            if both > 0:
+                out.append(RunOverlap(runs=(a, b), seconds=round(both, 1)))
+    return sorted(out, key=lambda o: -o.seconds)
+
+
+def _end(run: RunPublic, now: float) -> float:
+    if run.ended_at is not None:
+        return run.ended_at
+    # an ended run without an end time (an older record) is not taken as still running
+    return run.started_at if run.status in ("ended", "failed") else now
 
 
 #: Most runs `_chain` follows back (a longer line is cut at its oldest end).

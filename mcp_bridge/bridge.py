@@ -1,7 +1,8 @@
 """`Bridge`: what one `ajet-mcp` process holds, and the one place client errors become tool errors.
 
 A `Bridge` owns the `SwarmClient` for the configured server, the local approval store,
-the background rollout workers and the last config this bridge sent. Tool logic
+the background rollout workers and the run the agent started last (the run that tools
+address when they are given none). Tool logic
 (`mcp_bridge.tools`, `mcp_bridge.sync`) takes a `Bridge` and plain arguments, so it is
 tested without MCP in the way.
 
@@ -40,7 +41,7 @@ from mcp_bridge.approvals import DEFAULT_TTL_S, ApprovalStore, default_approvals
 from mcp_bridge.models import ApprovalMode, ToolName
 from mcp_bridge.rollouts import RolloutManager
 
-__all__ = ["Bridge", "BridgeConfig", "swarm_errors", "tool_error"]
+__all__ = ["CURRENT_RUN", "Bridge", "BridgeConfig", "swarm_errors", "tool_error"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class BridgeConfig:
         return cls(swarm_url=swarm_url.rstrip("/"), **overrides)
 
 
+#: The run ref meaning the default run (the one start_engine without a name starts).
+CURRENT_RUN = "current"
+
+
 class Bridge:
     """The state behind the MCP tools of one `ajet-mcp` process."""
 
@@ -84,10 +89,21 @@ class Bridge:
         # token they claim episodes with it; without one the bridge claims for them.
         self.rollouts = RolloutManager(config.swarm_url, token=config.token,
                                        worker_token=config.worker_token, repo=config.repo)
+        # The run the agent started last in this session, as it names it (a name, or the
+        # run id of an unnamed concurrent run); None: the default run, whose id changes
+        # at every restart, so it is addressed as 'current'.
+        self.last_run: str | None = None
 
     @property
     def repo(self) -> Path:
         return self.config.repo
+
+    def run_ref(self, run: str | None) -> str:
+        """The run a tool addresses: the one it was given, else the agent's latest run,
+        else the server's 'current' (the default run)."""
+        if run and run.strip():
+            return run.strip()
+        return self.last_run or CURRENT_RUN
 
     def close(self) -> None:
         """Stop rollout workers, then close the HTTP client."""

@@ -21,6 +21,7 @@ __all__ = [
     "CompareResult",
     "ConfigChange",
     "ConfigureResult",
+    "DevicePool",
     "EngineStatusResult",
     "ErrorInfo",
     "LogsResult",
@@ -31,6 +32,7 @@ __all__ = [
     "RolloutStatusResult",
     "RolloutStopResult",
     "RunComparison",
+    "RunOverlap",
     "RunRow",
     "RunsResult",
     "SnapshotRow",
@@ -210,6 +212,13 @@ class StartResult(ToolResult):
     snapshot_id: str
     ajet_file: str | None = None
     waited_s: float
+    name: str | None = Field(default=None, description="The run's name: pass it as run_id to "
+                                                       "the other tools")
+    status: str | None = Field(default=None, description="queued | booting | running (runs "
+                                                         "started with a name)")
+    devices: list[int] = Field(default_factory=list, description="Device slots it holds")
+    queue_position: int | None = Field(default=None, description="1 = next to start")
+    queue_reason: str | None = None
 
 
 class StopResult(ToolResult):
@@ -226,6 +235,8 @@ class StopResult(ToolResult):
 
 class RolloutInfo(BaseModel):
     handle: str
+    run: str | None = Field(default=None, description="The run its episodes go to (None: the "
+                                                      "default run)")
     workflow: str
     running: bool
     n_workers: int
@@ -259,6 +270,11 @@ class EngineStatusResult(ToolResult):
                                           "pending on the server")
     approve_url: str | None = Field(default=None,
                                     description="Where the human approves, if something waits")
+    name: str | None = Field(default=None, description="The run's name, if it has one")
+    devices: list[int] = Field(default_factory=list, description="Device slots the run holds")
+    queue_position: int | None = Field(default=None,
+                                       description="1 = next to start, while it is queued")
+    queue_reason: str | None = None
 
 
 # ---------------------------------------------------------------------------- runs
@@ -300,6 +316,7 @@ class LogsResult(ToolResult):
 
 class RunRow(BaseModel):
     run_id: str
+    name: str | None = None
     status: str
     experiment_name: str
     snapshot_id: str
@@ -315,12 +332,30 @@ class RunRow(BaseModel):
     last_checkpoint: str | None = Field(
         default=None, description="Its last complete checkpoint; resume_from: <run_id> "
                                   "continues from there")
+    default_run: bool = Field(default=False,
+                              description="Started by start_engine without a name")
+    devices: list[int] = Field(default_factory=list,
+                               description="Device slots it holds while active")
+    engine_state: str | None = None
+    queue_position: int | None = None
+    queue_reason: str | None = None
+
+
+class DevicePool(BaseModel):
+    """The server's device slots: GPUs, or `--devices N` slots on a CPU host."""
+
+    kind: str
+    total: int
+    free: list[int]
+    held: dict[str, list[int]] = Field(default_factory=dict, description="run -> slots")
+    queued: list[str] = Field(default_factory=list, description="Runs waiting, next first")
 
 
 class RunsResult(ToolResult):
     runs: list[RunRow]
     total: int
     next_offset: int | None = None
+    devices: DevicePool | None = None
 
 
 class CheckpointsResult(ToolResult):
@@ -333,9 +368,13 @@ class CheckpointsResult(ToolResult):
 
 class RunComparison(BaseModel):
     run_id: str
+    name: str | None = None
     snapshot_id: str
     status: str
     experiment_name: str
+    started: str | None = None
+    ended: str | None = None
+    devices: list[int] = Field(default_factory=list)
     steps: int | None = None
     first: float | None = None
     last: float | None = None
@@ -343,9 +382,18 @@ class RunComparison(BaseModel):
     best_step: int | None = None
 
 
+class RunOverlap(BaseModel):
+    """Two runs that ran at the same time (side by side, on their own devices)."""
+
+    runs: list[str]
+    seconds: float = Field(description="How long both ran at once")
+
+
 class CompareResult(ToolResult):
     metric: str
     runs: list[RunComparison]
+    side_by_side: list[RunOverlap] = Field(
+        default_factory=list, description="Pairs of these runs that overlapped in time")
     same_code: bool = Field(description="All runs used the same snapshot")
     config_differences: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="field -> {run_id: value}, only fields that differ"
@@ -358,6 +406,8 @@ class CompareResult(ToolResult):
 
 class RolloutStartResult(ToolResult):
     handle: str
+    run: str | None = Field(default=None, description="The run its episodes go to (None: the "
+                                                      "default run)")
     workflow: str
     n_workers: int
     num_repeat: int

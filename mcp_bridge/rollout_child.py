@@ -6,13 +6,14 @@ token and writes the approvals folder. This process gets neither: its environmen
 JSON lines (`mcp_bridge.rollouts` is the other end):
 
     -> {"type": "start", "workflow", "repo", "n_workers", "num_repeat", "max_episodes",
-        "mode": "worker" | "relay", "swarm_url", "worker_token"}
+        "mode": "worker" | "relay", "swarm_url", "worker_token", "run_id"}
     <- {"type": "ready", "tasks": [...]}   or   {"type": "error", "error": "..."}
 
 - `worker` mode (the bridge has a worker token): this process claims and ends episodes
   itself with the worker token (`ajet.rollout.RolloutRunner`) and reports
   `{"type": "stats", ..., "oldest_workflow_s"}` twice a second, until `{"type": "stop"}`
-  or the end of its stdin.
+  or the end of its stdin. Episodes come from run `run_id` (an id or name; null: the
+  server's default run).
 - `relay` mode (no worker token): the bridge claims each episode and sends
   `{"type": "episode", "id", "task", "episode"}` (the episode's base URL and key); this
   process runs the workflow and answers `{"type": "result", "id", "output" | "error"}`.
@@ -117,7 +118,8 @@ def _run_worker(start: dict[str, Any], fn: WorkflowFn, tasks: list[dict[str, Any
     inflight = _InFlight()
     client = SwarmClient(start["swarm_url"], token=start.get("worker_token"))
     runner = RolloutRunner(client, inflight.wrap(fn), tasks, n_workers=start["n_workers"],
-                           num_repeat=start["num_repeat"], max_episodes=start.get("max_episodes"))
+                           num_repeat=start["num_repeat"], max_episodes=start.get("max_episodes"),
+                           run_id=start.get("run_id"))
     stop = threading.Event()
 
     def listen() -> None:

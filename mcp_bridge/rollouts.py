@@ -162,6 +162,10 @@ class RolloutHandle:
     started_at: float
     mode: str  # "worker": the child claims episodes; "relay": the bridge claims for it
     child: _Child
+    #: the run its episodes come from, as given (id or name); None: the default run
+    run: str | None = None
+    #: that run's id when the job started (a name can later mean a newer run)
+    run_id: str | None = None
     runner: RolloutRunner | None = None  # relay mode: the bridge's runner
     client: SwarmClient | None = None
     child_stats: dict[str, Any] = field(default_factory=dict)
@@ -204,13 +208,18 @@ class RolloutManager:
         self._handles: dict[str, RolloutHandle] = {}
 
     def start(self, workflow: str, *, n_workers: int, num_repeat: int,
-              max_episodes: int | None = None) -> RolloutHandle:
-        """Start `workflow` in a child process; raises ValueError if it cannot be loaded."""
+              max_episodes: int | None = None, run: str | None = None,
+              run_id: str | None = None) -> RolloutHandle:
+        """Start `workflow` in a child process; raises ValueError if it cannot be loaded.
+
+        Episodes come from `run` (a run id or name; None: the default run); `run_id` is
+        that run's id as the caller resolved it, kept for matching stops to jobs."""
         mode = "worker" if self._worker_token else "relay"
         child = _Child({"type": "start", "workflow": workflow, "repo": str(self._repo),
                         "n_workers": n_workers, "num_repeat": num_repeat,
                         "max_episodes": max_episodes, "mode": mode,
-                        "swarm_url": self._swarm_url, "worker_token": self._worker_token})
+                        "swarm_url": self._swarm_url, "worker_token": self._worker_token,
+                        "run_id": run})
         first = _read_first(child)
         if first.get("type") != "ready":
             child.kill()
@@ -219,7 +228,7 @@ class RolloutManager:
         handle = RolloutHandle(
             handle=f"ro-{secrets.token_hex(3)}", workflow=workflow, n_workers=n_workers,
             num_repeat=num_repeat, tasks=len(tasks), max_episodes=max_episodes,
-            started_at=time.time(), mode=mode, child=child)
+            started_at=time.time(), mode=mode, child=child, run=run, run_id=run_id)
         if mode == "relay":
             self._start_relay(handle, tasks)
         else:
@@ -227,9 +236,9 @@ class RolloutManager:
                              name=f"{handle.handle}-stats").start()
         with self._lock:
             self._handles[handle.handle] = handle
-        log.info("rollouts %s started (%s mode, child pid %s): %s, %d workers, %d tasks x %d",
-                 handle.handle, mode, child.proc.pid, workflow, n_workers, len(tasks),
-                 num_repeat)
+        log.info("rollouts %s started (%s mode, child pid %s) for %s: %s, %d workers, "
+                 "%d tasks x %d", handle.handle, mode, child.proc.pid, run or "the default run",
+                 workflow, n_workers, len(tasks), num_repeat)
         return handle
 
     def get(self, handle: str) -> RolloutHandle | None:
@@ -336,7 +345,8 @@ class RolloutManager:
 
         job.client = SwarmClient(self._swarm_url, token=self._token)
         job.runner = RolloutRunner(job.client, relay, tasks, n_workers=job.n_workers,
-                                   num_repeat=job.num_repeat, max_episodes=job.max_episodes)
+                                   num_repeat=job.num_repeat, max_episodes=job.max_episodes,
+                                   run_id=job.run)
         threading.Thread(target=read_results, daemon=True, name=f"{job.handle}-results").start()
         job.runner.start()
 

@@ -76,6 +76,14 @@ the git repository {repo}) and the GPU cluster at {url} trains with it. The loop
    baseline had, then compare_runs baseline vs new.
 5. Keep the change or roll back with activate_snapshot (list_snapshots, list_runs).
 
+Several hypotheses at once (a sweep): start_engine with a name (and config with the
+fields that differ, e.g. name='rank8', config={{'lora_rank': 8}}) starts a run beside the
+others, on devices of its own; one named run per value. start_rollouts with run_id=<name>
+for each, list_runs(state='active') shows every run with its devices and the queue,
+compare_runs compares them (and says which ran side by side); stop_engine(run_id=<name>)
+stops a loser and frees its devices. A run that does not fit the free devices waits in
+the queue and boots by itself. Tools given no run_id use the run you started last.
+
 Rules: one change per iteration; sync only while the engine is OFFLINE or with
 force_restart=true; stop_rollouts before stop_engine; after a failed start read the
 error, read_logs, fix or roll back; judge by compare_runs, not by one noisy step.
@@ -94,6 +102,13 @@ _DESTRUCTIVE = ToolAnnotations(read_only_hint=False, destructive_hint=True, idem
                                open_world_hint=False)
 _DESTRUCTIVE_IDEMPOTENT = ToolAnnotations(read_only_hint=False, destructive_hint=True,
                                           idempotent_hint=True, open_world_hint=False)
+
+
+#: The run a tool addresses; every run-taking tool has it, with the same meaning.
+_RunArg = Annotated[str | None, Field(
+    max_length=100,
+    description="A run id or a run name (start_engine's name), or 'current' for the default "
+                "run. Default: the run you started last in this session, else 'current'.")]
 
 
 def prompt_files() -> dict[str, str]:
@@ -210,41 +225,72 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
     @mcp.tool(name=ToolName.START_ENGINE.value, annotations=_DESTRUCTIVE)
     def start_engine(
         force_restart: Annotated[bool, Field(
-            description="Stop a running engine first (its run ends), then start a new run.")
-        ] = False,
+            description="Stop the running run first (the default run, or the active run "
+                        "with this name), then start a new one.")] = False,
         wait_s: Annotated[float | None, Field(
             ge=0, le=600, description="Seconds to wait for ENGINE.ROLLING before returning "
                                       "(default: the bridge's setting, 120).")] = None,
+        name: Annotated[str | None, Field(
+            min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
+            description="Start a run BESIDE the ones running, under this name (unique among "
+                        "active runs), e.g. 'rank8'; pass it as run_id to the other tools. "
+                        "Omit for the single default run.")] = None,
+        config: Annotated[dict[str, Any] | None, Field(
+            description="For a named run: the job fields that differ from the stored config, "
+                        "e.g. {'lora_rank': 8}; omit to use the stored config as it is.")
+                          ] = None,
+        snapshot_id: Annotated[str | None, Field(
+            max_length=80, description="For a named run: the code snapshot (id or prefix from "
+                                       "list_snapshots, or 'server'); default: the active "
+                                       "one.")] = None,
+        queue: Annotated[bool, Field(
+            description="For a named run: wait in the queue while the devices it needs are "
+                        "busy (it boots by itself later); false: refuse instead.")] = True,
     ) -> StartResult:
-        """Start a training run with the current config on the active code snapshot.
+        """Start a training run and return its run_id (and name).
 
-        Waits a bounded time until the engine serves episodes and returns the run_id. If
-        the engine dies while booting, the error carries the reason and the log tail.
+        Without a name: the default run, with the current config on the active code
+        snapshot (one at a time; force_restart replaces it). With a name (and optionally
+        config and snapshot_id): a concurrent run on device slots of its own, so several
+        hypotheses train at once. A SWEEP is one named run per value, e.g. start_engine
+        name='rank8' config={'lora_rank': 8}, then name='rank16' config={'lora_rank': 16};
+        then start_rollouts run_id=<name> for each, list_runs state='active',
+        compare_runs, and stop_engine run_id=<name> for the losers. A run that does not
+        fit the free devices is queued (queue_position, queue_reason) and boots when
+        devices free up. Waits a bounded time for ENGINE.ROLLING; if the engine dies
+        while booting, the error carries the reason and the log tail.
         """
-        return done(tools.start_engine(bridge, force_restart=force_restart, wait_s=wait_s))
+        return done(tools.start_engine(bridge, force_restart=force_restart, wait_s=wait_s,
+                                       name=name, config=config, snapshot_id=snapshot_id,
+                                       queue=queue))
 
     @mcp.tool(name=ToolName.STOP_ENGINE.value, annotations=_DESTRUCTIVE_IDEMPOTENT)
     def stop_engine(
         reason: Annotated[str, Field(max_length=500, description="Why, for the run's record.")
                           ] = "stopped by the research agent",
         stop_rollouts: Annotated[bool, Field(
-            description="Also stop this bridge's rollout workers first.")] = True,
+            description="Also stop this bridge's rollout workers of that run first.")] = True,
+        run_id: _RunArg = None,
     ) -> StopResult:
-        """Stop the training engine (the run ends and keeps its metrics). Idempotent."""
-        return done(tools.stop_engine(bridge, reason=reason, stop_rollouts=stop_rollouts))
+        """Stop a run (it ends and keeps its metrics; its devices go to the next queued
+        run; a queued run leaves the queue). Default: the run you started last, else the
+        default run. In a sweep, stop the losers by name. Idempotent."""
+        return done(tools.stop_engine(bridge, reason=reason, stop_rollouts=stop_rollouts,
+                                      run_id=run_id))
 
     @mcp.tool(name=ToolName.ENGINE_STATUS.value, annotations=_READ_ONLY)
-    def engine_status() -> EngineStatusResult:
-        """Engine state (ENGINE.OFFLINE/BOOTING/ROLLING/...), current run and step, active
-        code snapshot, the last error with its log tail, running rollouts, pending approvals."""
-        return done(tools.engine_status(bridge))
+    def engine_status(run_id: _RunArg = None) -> EngineStatusResult:
+        """A run's engine state (ENGINE.OFFLINE/BOOTING/ROLLING/...), run id and step, code
+        snapshot, devices or queue position, the last error with its log tail; this
+        bridge's running rollouts and pending approvals. Default: the run you started last,
+        else the default run; list_runs state='active' shows every run at once."""
+        return done(tools.engine_status(bridge, run_id=run_id))
 
     # ------------------------------------------------------------------ runs
 
     @mcp.tool(name=ToolName.READ_METRICS.value, annotations=_READ_ONLY, structured_output=True)
     def read_metrics(
-        run_id: Annotated[str, Field(description="A run id from list_runs, or 'current'.")
-                          ] = "current",
+        run_id: _RunArg = None,
         metrics: Annotated[list[str] | None, Field(
             description="Metric names, e.g. reward_mean, success_rate, loss, kl, entropy, "
                         "response_length, tokens_per_s, or 'log/<name>' from workflows. "
@@ -255,7 +301,8 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
             description="Also return a PNG plot of these metrics over the whole run.")] = False,
     ) -> Annotated[CallToolResult, MetricsResult]:
         """Training metrics of a run: the latest step's values, each metric's trend (first,
-        last, min, max, mean, direction) over the last N steps, and optionally a plot."""
+        last, min, max, mean, direction) over the last N steps, and optionally a plot. In a
+        sweep, read each run by its name (run_id=<name>), or compare_runs them."""
         result, png = tools.read_metrics(bridge, run_id=run_id, metrics=metrics,
                                          last_n=last_n, plot=plot)
         result = done(result)
@@ -268,7 +315,7 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
 
     @mcp.tool(name=ToolName.READ_LOGS.value, annotations=_READ_ONLY)
     def read_logs(
-        run_id: Annotated[str, Field(description="A run id, or 'current'.")] = "current",
+        run_id: _RunArg = None,
         tail: Annotated[int, Field(ge=1, le=500, description="How many last lines.")] = 50,
         grep: Annotated[str | None, Field(
             max_length=200, description="Only lines containing this text, e.g. "
@@ -283,20 +330,26 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
 
     @mcp.tool(name=ToolName.LIST_RUNS.value, annotations=_READ_ONLY)
     def list_runs(
+        state: Annotated[Literal["active", "ended", "all"] | None, Field(
+            description="'active': the runs running or queued now (a sweep in progress), "
+                        "with devices and queue positions; 'ended': finished ones; default: "
+                        "all.")] = None,
         experiment_name: Annotated[str | None, Field(description="Only this experiment.")] = None,
-        status: Annotated[Literal["booting", "running", "ended", "failed"] | None,
+        status: Annotated[Literal["queued", "booting", "running", "ended", "failed"] | None,
                           Field(description="Only runs in this status.")] = None,
         offset: Annotated[int, Field(ge=0, description="Skip this many (use next_offset).")] = 0,
         limit: Annotated[int, Field(ge=1, le=30, description="Rows per page.")] = 10,
     ) -> RunsResult:
-        """Training runs, newest first: run id, status, snapshot, steps, reward last/best."""
-        return done(tools.list_runs(bridge, experiment_name=experiment_name, status=status,
-                                    offset=offset, limit=limit))
+        """Training runs, newest first: run id and name, status, snapshot, steps, reward
+        last/best, the devices each active run holds and each queued run's position; and
+        the server's device pool (total, free, held per run, queue). Several named runs
+        run at once (start_engine with a name): this is where a sweep is watched."""
+        return done(tools.list_runs(bridge, state=state, experiment_name=experiment_name,
+                                    status=status, offset=offset, limit=limit))
 
     @mcp.tool(name=ToolName.LIST_CHECKPOINTS.value, annotations=_READ_ONLY)
     def list_checkpoints(
-        run_id: Annotated[str, Field(description="A run id from list_runs, or 'current'.")
-                          ] = "current",
+        run_id: _RunArg = None,
     ) -> CheckpointsResult:
         """A run's checkpoints (name, step, size, complete or not) and the command a person
         runs to download one; the weights never pass through this conversation."""
@@ -304,12 +357,16 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
 
     @mcp.tool(name=ToolName.COMPARE_RUNS.value, annotations=_READ_ONLY)
     def compare_runs(
-        run_ids: Annotated[list[str], Field(description="Two to six run ids from list_runs.")],
+        run_ids: Annotated[list[str] | None, Field(
+            max_length=6, description="Two to six run ids or names from list_runs; default: "
+                                      "the active runs (your sweep).")] = None,
         metric: Annotated[str, Field(description="The metric that judges the runs.")
                           ] = "reward_mean",
     ) -> CompareResult:
-        """Compare runs: code snapshot of each, the metric's first/last/best, and the config
-        fields that differ. Use it to judge a change against its baseline."""
+        """Compare runs: code snapshot and config fields that differ, the metric's
+        first/last/best, when and on which devices each ran, and which pairs ran side by
+        side (overlapping in time, so under the same conditions). Use it to judge a change
+        against its baseline, or the runs of a sweep against each other."""
         return done(tools.compare_runs(bridge, run_ids, metric=metric))
 
     # ------------------------------------------------------------------ snapshots
@@ -350,12 +407,16 @@ def _register_tools(mcp: MCPServer, bridge: Bridge) -> None:  # noqa: C901 - one
                                        "num_repeat.")] = None,
         max_episodes: Annotated[int | None, Field(
             ge=1, description="Stop after this many episodes; default: run until stopped.")] = None,
+        run_id: _RunArg = None,
     ) -> RolloutStartResult:
         """Run a workflow on this laptop against the cluster in the background: each worker
-        claims an episode, runs the workflow with the episode's OpenAI endpoint, and reports
-        the reward. Returns a handle for rollout_status / stop_rollouts."""
+        claims an episode from the run, runs the workflow with the episode's OpenAI
+        endpoint, and reports the reward. Episodes belong to one run (their keys work only
+        there): in a sweep, start rollouts once per run, run_id=<name>. Returns a handle
+        for rollout_status / stop_rollouts."""
         return done(tools.start_rollouts(bridge, workflow, n_workers=n_workers,
-                                         num_repeat=num_repeat, max_episodes=max_episodes))
+                                         num_repeat=num_repeat, max_episodes=max_episodes,
+                                         run_id=run_id))
 
     @mcp.tool(name=ToolName.ROLLOUT_STATUS.value, annotations=_READ_ONLY)
     def rollout_status(

@@ -432,6 +432,7 @@ def run_sync(bridge: Bridge, plan: SyncPlan, answer: ElicitationResult[Any] | No
         bridge.approvals.mark_used(approval.id)
     base["engine_state"] = outcome.state.value
     if outcome.restarted:
+        bridge.last_run = None  # the default run restarted: the tools follow it again
         next_call = f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING, then {ToolName.START_ROLLOUTS}"
     elif outcome.state == EngineState.OFFLINE:
         next_call = f"{ToolName.START_ENGINE}"
@@ -491,6 +492,8 @@ def _run_enforced(bridge: Bridge, plan: SyncPlan, elicited: ElicitationResult[An
                                   approve_url=console_url(bridge, sid)),
             **base)
     base["engine_state"] = outcome.state.value
+    if outcome.restarted:
+        bridge.last_run = None  # the default run restarted: the tools follow it again
     approver = outcome.approval.approver if outcome.approval else None
     next_call = (f"{ToolName.ENGINE_STATUS} until ENGINE.ROLLING, then {ToolName.START_ROLLOUTS}"
                  if outcome.restarted else str(ToolName.START_ENGINE))
