@@ -8,6 +8,7 @@ Helpers live here, never in test modules, so no test module imports another:
     engine         a real engine subprocess; generators without a model
     plane          the engine's private channel app in process, with a scripted generator
     tool_model     a tool-calling ajet-tiny for the end-to-end tool tests
+    fake_runs      an in-process fake of the concurrent-runs routes (laptop unit tests)
     episodes, access, environ, invariants, hostile, hostile_zips, strategies, bridge
 
 The names below (servers' tokens and handles) are importable from `tests.support`.
