@@ -1,0 +1,118 @@
+"""A sweep through the MCP bridge on a real server with the real engine (ajet-tiny on CPU,
+`--devices 2`): two named runs at once, rollouts to each by name, metrics per run,
+list_runs with both and their devices, compare_runs saying they ran side by side, a third
+run queued until one stops.
+
+The bridge runs in process (`build_server` under the official MCP client); the stdio
+transport is covered by test_end_to_end.py, the tools' logic against a fake of the
+contract by test_run_tools.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+
+from ajet.client import SwarmClient
+from mcp_bridge.models import ApprovalMode
+from mcp_bridge.server import build_server
+from tests.support import PROJECT_ROOT, start_server
+from tests.support.bridge import assert_small, make_bridge, structured
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+WORKFLOW = "examples/digits_workflow.py:workflow"
+STEPS = 2
+
+
+async def _call(client: Client, name: str, **args: Any) -> dict[str, Any]:
+    result = await client.call_tool(name, args)
+    assert_small(result)
+    return structured(result)
+
+
+async def _wait_steps(client: Client, run: str, steps: int, timeout: float = 150.0
+                      ) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        result = await client.call_tool("read_metrics", {"run_id": run})
+        if not result.is_error:
+            metrics = structured(result)
+            if metrics["total_steps"] >= steps:
+                return metrics
+        assert time.monotonic() < deadline, f"run {run} made no {steps} steps in {timeout}s"
+        await anyio.sleep(0.5)
+
+
+async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Path,
+                                                                   repo: Path) -> None:
+    (repo / "examples").mkdir(exist_ok=True)  # the workflow runs on the laptop, unsynced
+    shutil.copy(PROJECT_ROOT / "examples" / "digits_workflow.py", repo / "examples")
+    server = start_server(tmp_path / "swarm", env={"AJET_SWARM_DEVICES": "2"})
+    bridge = make_bridge(server, repo, tmp_path / "approvals", approval=ApprovalMode.AUTO,
+                         start_wait_s=120.0)
+    try:
+        async with Client(build_server(bridge)) as client:
+            await _call(client, "configure", experiment_name="mcp-sweep", batch_size=2,
+                        num_repeat=2, max_new_tokens=8, max_response_length=8)
+            a = await _call(client, "start_engine", name="lr-a", config={"lr": 0.01})
+            b = await _call(client, "start_engine", name="lr-b", config={"lr": 0.05})
+            for run in (a, b):
+                assert run["status"] == "running", run["message"]
+                assert run["engine_state"] == "ENGINE.ROLLING" and len(run["devices"]) == 1
+            assert set(a["devices"]).isdisjoint(b["devices"])
+
+            listed = await _call(client, "list_runs", state="active")
+            rows = {r["name"]: r for r in listed["runs"]}
+            assert set(rows) == {"lr-a", "lr-b"}
+            assert rows["lr-a"]["devices"] == a["devices"]
+            assert listed["devices"]["total"] == 2 and listed["devices"]["free"] == []
+            assert set(listed["devices"]["held"]) == {a["run_id"], b["run_id"]}
+
+            for name in ("lr-a", "lr-b"):
+                started = await _call(client, "start_rollouts", workflow=WORKFLOW,
+                                      n_workers=2, run_id=name)
+                assert started["run"] == name and started["num_repeat"] == 2
+            metrics_a = await _wait_steps(client, "lr-a", STEPS)
+            metrics_b = await _wait_steps(client, "lr-b", STEPS)
+            assert metrics_a["run_id"] == a["run_id"] and metrics_b["run_id"] == b["run_id"]
+            assert metrics_a["latest"]["episodes"] == 4
+
+            # a third run does not fit: it waits in the queue, then takes a freed slot
+            c = await _call(client, "start_engine", name="lr-c", config={"lr": 0.1})
+            assert c["status"] == "queued" and c["queue_position"] == 1, c["message"]
+            waiting = await _call(client, "engine_status")  # the latest run: lr-c
+            assert waiting["queue_position"] == 1 and waiting["name"] == "lr-c"
+
+            compared = await _call(client, "compare_runs", run_ids=["lr-a", "lr-b"])
+            assert {r["name"] for r in compared["runs"]} == {"lr-a", "lr-b"}
+            assert [sorted(o["runs"]) for o in compared["side_by_side"]] == [
+                sorted([a["run_id"], b["run_id"]])]
+            assert "Side by side: lr-" in compared["message"]
+            assert set(compared["config_differences"]) == {"lr"}
+            assert all(r["last"] is not None for r in compared["runs"])
+
+            stopped = await _call(client, "stop_engine", run_id="lr-a")
+            assert stopped["stopped"] and len(stopped["rollouts_stopped"]) == 1
+            deadline = time.monotonic() + 120
+            while (now := await _call(client, "engine_status", run_id="lr-c")
+                   )["engine_state"] != "ENGINE.ROLLING":
+                assert now["engine_state"] != "ENGINE.OFFLINE" or now["queue_position"], now
+                assert time.monotonic() < deadline, now
+                await anyio.sleep(0.5)
+            assert now["devices"] == a["devices"]  # the slot lr-a gave back
+            b_status = await _call(client, "engine_status", run_id="lr-b")
+            assert b_status["engine_state"] in ("ENGINE.ROLLING", "ENGINE.ROLLING_POST",
+                                                "ENGINE.WEIGHT_SYNCING")
+    finally:
+        bridge.close()
+        with SwarmClient(server.url) as swarm:
+            for run in swarm.list_runs(state="active").runs:
+                swarm.stop_run(run.run_id, reason="test teardown")
+        server.stop()
