@@ -345,9 +345,9 @@ def _start_concurrent(bridge: Bridge, *, name: str | None, snapshot_id: str | No
                 f"if the name is taken, pick another (names are unique among active runs) or "
                 f"{ToolName.STOP_ENGINE} with run_id={name or '<run>'} first; if the devices "
                 f"are busy, pass queue=true to wait, or {ToolName.STOP_ENGINE} a run you no "
-                f"longer need; if it can never fit, ask for fewer devices (configure n_gpu "
-                f"through config={{'n_gpu': 1}}); {ToolName.LIST_RUNS} state='active' shows "
-                "the pool",
+                f"longer need; if it can never fit, ask for fewer devices (config={{'n_gpu': 1}}, "
+                f"or n_proc on a CPU server); {ToolName.LIST_RUNS} state='active' shows the "
+                "pool",
             ) from exc
         ref = name or run.run_id
         bridge.last_run = ref  # the tools' default run from now on
