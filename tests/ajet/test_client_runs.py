@@ -1,6 +1,6 @@
 """The typed client's run calls: which route each takes and what it sends, against an
 in-process fake of the concurrent-runs contract (tests/support/fake_runs.py); the real
-server answers the same calls in tests/mcp_bridge/test_concurrent_runs.py."""
+server answers the same calls in tests/mcp_bridge/test_sweep_runs.py."""
 
 from __future__ import annotations
 

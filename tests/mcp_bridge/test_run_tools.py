@@ -2,7 +2,7 @@
 fake of the concurrent-runs contract (tests/support/fake_runs.py): which run each tool
 addresses, what a sweep looks like (named runs, the queue, the device pool, side by
 side), and the errors the model reads. The real server and engine run the same sweep in
-test_concurrent_runs.py."""
+test_sweep_runs.py."""
 
 from __future__ import annotations
 

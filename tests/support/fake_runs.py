@@ -6,7 +6,7 @@ names, never-fits), `POST /runs/{run}/stop`, `GET /runs?state=`, `GET /runs/{run
 `/status`, `/metrics`, `/logs`, `/begin_episode` and the default run's
 `/start_engine`, `/stop_engine` and `/get_engine_status`. Runs are named by id, by name (the active run of that name, else
 the newest) or 'current'. The real server is tested against the same tools in
-tests/mcp_bridge/test_concurrent_runs.py.
+tests/mcp_bridge/test_sweep_runs.py.
 """
 
 from __future__ import annotations
