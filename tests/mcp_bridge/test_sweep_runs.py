@@ -19,6 +19,7 @@ import anyio
 import pytest
 from mcp import Client
 
+from ajet.client import SwarmClient
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
 from tests.support import PROJECT_ROOT, start_server
@@ -102,6 +103,13 @@ async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Pat
             assert c["status"] == "queued" and c["queue_position"] == 1, c["message"]
             waiting = await _call(client, "engine_status")  # the latest run: lr-c
             assert waiting["queue_position"] == 1 and waiting["name"] == "lr-c"
+            early = await _call(client, "start_rollouts", workflow=WORKFLOW, n_workers=1)
+            assert early["run"] == "lr-c" and "is queued (#1)" in early["message"]
+            # an episode claimed by name belongs to that run
+            with SwarmClient(server.url) as swarm:
+                episode = swarm.open_episode(run_id="lr-b")
+                assert episode.run_id == b["run_id"]
+                swarm.cancel_episode(episode.episode_uuid, reason="test: not needed")
 
             compared = await _call(client, "compare_runs", run_ids=["lr-a", "lr-b"])
             assert {r["name"] for r in compared["runs"]} == {"lr-a", "lr-b"}
