@@ -195,7 +195,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         temperature=job.temperature,
         top_p=job.top_p,
         save_every=job.save_every,
-        async_save=job.async_save,
+        async_save=on_gpu if job.async_save == "auto" else bool(job.async_save),
         max_steps=job.max_steps,
         episode_timeout_s=job.episode_timeout_s,
         gpu_memory_utilization=job.gpu_memory_utilization,

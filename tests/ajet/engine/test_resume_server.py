@@ -1,7 +1,7 @@
 """Stop and resume through the server: a run stopped during training leaves a complete
 checkpoint named in its record, and `resume_from: latest` continues its step count.
 
-Checkpoints are written in the background (`async_save`, the default), so the stop,
+Checkpoints are written in the background (`async_save: true`, as on GPUs), so the stop,
 which comes as soon as step 2's metrics line is out, usually finds step 2's checkpoint
 still being written: the engine's stop path waits for it, and the run's record names
 it. A running run's record names its last complete checkpoint as it is written."""
@@ -34,7 +34,8 @@ def _train_until(client: SwarmClient, runner: RolloutRunner, run_id: str, steps:
 @pytest.mark.slow
 def test_a_stopped_run_resumes_from_its_last_checkpoint(tmp_path: Path) -> None:
     workflow, tasks = load_workflow("examples/digits_workflow.py:workflow", PROJECT_ROOT)
-    job = AgentJetJob(experiment_name="resumed", batch_size=2, num_repeat=4, save_every=2)
+    job = AgentJetJob(experiment_name="resumed", batch_size=2, num_repeat=4, save_every=2,
+                      async_save=True)
     server = start_server(tmp_path / "swarm")
     client = SwarmClient(server.url, timeout=60)
     runner = RolloutRunner(client, workflow, tasks, n_workers=2, num_repeat=job.num_repeat)
