@@ -28,8 +28,19 @@ follows the step (`generation_seed`), so a resumed run does not replay the draws
 the run's first steps.
 
 Written to `<name>.partial` and renamed by rank 0 once every rank is done, so a directory
-without that suffix is always complete. `save_checkpoint` is collective: under torchrun
-every rank calls it (the trainer sends followers a "save" command).
+without that suffix is always complete. `save_checkpoint` and `begin_checkpoint` are
+collective: under torchrun every rank calls them (the trainer sends followers a "save"
+command).
+
+In the background (`begin_checkpoint(background=True)`, the job's `async_save`): what
+must come from the live model is taken before it returns (the gathered weights, a
+private copy; the training state staged in host memory by `dcp.async_save`; the random
+state), then DCP's thread writes each rank's shards, on the gloo group of checkpoints
+(`Dist.checkpoint_group`), and rank 0's writer thread, once its upload completes (after
+every rank's shards and DCP's metadata are written), writes the model files and renames
+the folder. `PendingSave.wait` joins it. Every path can be written so: LoRA's adapters
+and their AdamW state are a small DCP state like any other, and the merged model is
+written by the writer thread (docs/distributed.md, "Written in the background").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ One step, top to bottom (docs/internals.md):
                     -> samples file -> metrics line -> checkpoint (begun: written in the background)
     (back to ROLLING)
 
-Checkpoints are written in the background with the job's `async_save` (the default):
+Checkpoints are written in the background with the job's `async_save` (the default with GPUs):
 the step loop waits only while the state is taken from the live model (gathered and
 staged in host memory, `checkpoints.begin_checkpoint`), and at most one save is in
 flight: the next one, and the stop, first wait for it.
