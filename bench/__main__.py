@@ -28,6 +28,7 @@ from pathlib import Path
 
 from bench import (
     bench_budgets,
+    bench_checkpoints,
     bench_episodes,
     bench_generation,
     bench_lora_memory,
@@ -58,6 +59,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "training": bench_training.run,
     "train_memory": bench_train_memory.run,
     "timelines": bench_timelines.run,
+    "checkpoints": bench_checkpoints.run,
     "memory_plan": bench_memory_plan.run,
     "lora_memory": bench_lora_memory.run,
     "soak": bench_soak.run,

@@ -70,6 +70,7 @@ from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_checkpoints import (
     ResumePoint,
+    discard_partials,
     last_checkpoint,
     resolve_resume,
     saves_in_progress,
@@ -499,11 +500,13 @@ class EngineController:
                 status, reason = "failed", ("server restarted: the engine process was already "
                                             "gone (exit code unknown)")
             points = read_metrics(Path(rec.run_dir) / "metrics.jsonl")
+            discard_partials(Path(rec.run_dir), run_id=rec.id)
+            last = last_checkpoint(Path(rec.run_dir))
             self.ledger.update_run(
                 rec.id, status=status, reason=reason, ended_at=time.time(),
                 final_state=EngineState.OFFLINE.value,
                 last_step=points[-1]["step"] if points else rec.last_step,
-                summary=summarize(points),
+                summary=summarize(points), last_checkpoint=str(last.path) if last else None,
             )
             self.ledger.audit("recover", "server", "ok",
                               {"run_id": rec.id, "status": status, "reason": reason})
@@ -798,6 +801,8 @@ class EngineController:
         points = read_metrics(run.run_dir / "metrics.jsonl")
         tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
                                     redact=self.settings.secret_values())
+        if not run.finished:  # the engine is gone: what it left half-written goes
+            discard_partials(run.run_dir, run_id=run.run_id)
         with self._lock:
             if run.finished:
                 return

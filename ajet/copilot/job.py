@@ -172,6 +172,13 @@ class AgentJetJob(BaseModel):
     seed: int = Field(default_factory=_d("seed"), ge=0)
     save_every: int = Field(default_factory=_d("save_every"), ge=0,
                             description=f"Checkpoint every N steps; 0 = only at stop. {BY_MODEL}")
+    async_save: bool | Literal["auto"] = Field(
+        default_factory=_d("async_save"),
+        description="Write each step checkpoint in the background while training goes on "
+                    "(torch.distributed.checkpoint.async_save); training waits only while "
+                    "the state is copied to host memory. false: written before the next "
+                    "step; 'auto' = on with GPUs, off on the CPU (the writer would share "
+                    "the update's cores)")
     max_steps: int = Field(
         default_factory=_d("max_steps"), ge=0,
         validation_alias=AliasChoices("max_steps", "total_training_steps"),

@@ -56,6 +56,7 @@ from swarm_server.checkpoint_files import TarLayout, checkpoint_dir, checkpoint_
     list_checkpoints
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
 from swarm_server.ledger import ACTIVE_RUN_STATUSES, OPEN_RUN_STATUSES, RunRecord
+from swarm_server.run_checkpoints import last_checkpoint
 from swarm_server.run_files import (
     LogPattern,
     LogSearchTimeout,
@@ -297,11 +298,15 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
     position, reason = ctx.runs.queue_place(rec.id) if rec.status == "queued" else (None, None)
     summary = rec.summary
     last_step = rec.last_step
+    saved = rec.last_checkpoint
     if full or rec.status in OPEN_RUN_STATUSES:
         # live runs change under us; a full read always reflects the file
         points = read_metrics(ctx.engine.run_dir(rec.id) / "metrics.jsonl")
         if points:
             summary, last_step = summarize(points), points[-1]["step"]
+    if rec.status in OPEN_RUN_STATUSES:  # the ledger has it once the run ends
+        found = last_checkpoint(ctx.engine.run_dir(rec.id))
+        saved = str(found.path) if found else None
     return RunPublic(
         run_id=rec.id, snapshot_id=rec.snapshot_id, experiment_name=rec.experiment_name,
         config_hash=rec.config_hash, config_yaml=rec.config_yaml if full else None,
@@ -310,7 +315,7 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
         reason=rec.reason, last_step=last_step, summary=summary,
         provenance=_provenance(ctx, rec.snapshot_id) if full else None,
         resumed_from=rec.resumed_from, resume_checkpoint=rec.resume_checkpoint,
-        resume_step=rec.resume_step, last_checkpoint=rec.last_checkpoint,
+        resume_step=rec.resume_step, last_checkpoint=saved,
         trackers=read_trackers(ctx.engine.run_dir(rec.id)),
         name=rec.name, default_run=rec.default_run, devices=rec.devices,
         engine_state=ctx.runs.live_state(rec.id) if rec.status in ACTIVE_RUN_STATUSES else None,

@@ -3,6 +3,7 @@ headline refusal; the memory available (nvidia-smi, gpu_memory_gb, the host)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -326,7 +327,15 @@ def test_a_node_without_the_host_memory_is_refused_with_the_numbers() -> None:
     assert "the GPUs fit, the host does not" in small.hint()
     assert small.to_dict()["host_gib"] == pytest.approx(small.host_bytes / 2**30, abs=1e-3)
     big = plan_memory(job, shape, H100, host=Available(1024 * 2**30, "test: a GPU node"))
-    assert big.fits and big.host_bytes < 64 * 2**30  # was 8 x 30 GiB of fp32 copies
+    # async_save (on with GPUs): each rank stages its shard of the training state, fp32
+    # masters and two moments, 12 bytes per parameter over the node
+    staged = {t.name: t.bytes for t in big.host_terms}[
+        "training state staged for the background save (async_save; 8 rank(s) of the node)"]
+    assert staged == 8 * -(-12 * shape.parameters // 8)
+    assert big.fits and big.host_bytes - staged < 64 * 2**30  # was 8 x 30 GiB of fp32 copies
+    sync = plan_memory(dataclasses.replace(job, async_save=False), shape, H100,
+                       host=Available(1024 * 2**30, "test: a GPU node"))
+    assert sync.host_bytes == big.host_bytes - staged
     cpu = plan_memory(JobView.from_job(AgentJetJob()), model_shape("ajet-tiny"),
                       Available(2**34, "test"), host=Available(1, "test: no host"))
     assert cpu.host_terms == [] and cpu.fits  # a CPU job's host is its device, planned above
