@@ -100,7 +100,7 @@ from swarm_server.supervisor import (
 )
 
 __all__ = ["LAST_CONFIG_KEY", "SERVING_STATES", "EngineController", "PinnedJob",
-           "engine_command"]
+           "engine_command", "job_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
     return [*launcher, "-m", settings.engine_module, *engine_args]
 
 
-def _job_dict(yaml_text: str) -> dict[str, object]:
+def job_fields(yaml_text: str) -> dict[str, object]:
+    """The top-level fields of a job YAML that was validated (a mapping, else empty)."""
     data = yaml.safe_load(yaml_text)
     return data if isinstance(data, dict) else {}
 
@@ -378,7 +379,7 @@ class EngineController:
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
                                             engine_user=self.engine_user)
-                self._resume_point(_job_dict(checked.yaml_text))  # refused now, not at start
+                self._resume_point(job_fields(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -401,7 +402,7 @@ class EngineController:
         text = self.ledger.get_meta(LAST_CONFIG_KEY)
         if text is None:
             return None
-        data = _job_dict(text)
+        data = job_fields(text)
         return ConfigAccepted(config_hash=config_hash(text),
                               experiment_name=str(data.get("experiment_name") or ""),
                               config=data)
@@ -430,7 +431,7 @@ class EngineController:
                 snapshot, _ = self._source()
                 self.approvals.require_runnable(snapshot.id if snapshot else SERVER_CODE,
                                                 doing="start the engine")
-                self._require_devices(_job_dict(yaml_text))
+                self._require_devices(job_fields(yaml_text))
                 if state is not EngineState.OFFLINE:
                     previous = self._stop_locked("restarted by start_engine(force_restart=True)")
                     stopped = previous.run_id
@@ -492,7 +493,7 @@ class EngineController:
             if handle is not None:
                 log.warning("stopping engine pid %s of run %s left by a previous server",
                             rec.pid, rec.id)
-                grace_s = run_limits(self.settings, _job_dict(rec.config_yaml))[1]
+                grace_s = run_limits(self.settings, job_fields(rec.config_yaml))[1]
                 stop_group(self.spawner, handle, grace_s=grace_s)
                 status, reason = "ended", (f"server restarted: the engine (pid {rec.pid}) the "
                                            "previous server left running was stopped")
@@ -571,7 +572,7 @@ class EngineController:
         # The one gate every start passes (start, force_restart, restart after a swap).
         self.approvals.require_runnable(snapshot_ref, doing="start the engine")
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
-        job = _job_dict(yaml_text)
+        job = job_fields(yaml_text)
         resume = self._resume_point(job)
         boot_s, grace_s = run_limits(self.settings, job)
         run_id = (self.pinned.run_id if self.pinned is not None else

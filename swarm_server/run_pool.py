@@ -34,8 +34,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from ajet.errors import EngineStateConflict, SwarmHTTPError, SwarmNotFound
 from ajet.protocol import (
     SERVER_CODE,
@@ -49,7 +47,7 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, validate_job_yaml
 from swarm_server.devices import DevicePool, devices_needed
-from swarm_server.engine import LAST_CONFIG_KEY, EngineController, PinnedJob
+from swarm_server.engine import LAST_CONFIG_KEY, EngineController, PinnedJob, job_fields
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import ACTIVE_RUN_STATUSES, Ledger, RunRecord
 from swarm_server.run_checkpoints import resolve_resume
@@ -184,7 +182,7 @@ class RunPool:
             for rec in sorted(records, key=lambda r: r.started_at):
                 job = PinnedJob(run_id=rec.id, snapshot_id=rec.snapshot_id,
                                 yaml_text=rec.config_yaml, name=rec.name)
-                need = devices_needed(_job_dict(rec.config_yaml), self.devices.kind)
+                need = devices_needed(job_fields(rec.config_yaml), self.devices.kind)
                 self._queue.append(_Queued(job, need, rec.started_at, rec.started_by))
         if records:
             log.info("re-queued %d run(s) an earlier server had queued", len(records))
@@ -341,7 +339,7 @@ class RunPool:
         base = self.snapshots.base_dir(record) if record is not None else None
         checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
                                     engine_user=self.engine_user)
-        job = _job_dict(checked.yaml_text)
+        job = job_fields(checked.yaml_text)
         if isinstance(job.get("resume_from"), str) and job["resume_from"]:
             resolve_resume(str(job["resume_from"]), ledger=self.ledger,
                            experiment_name=str(job.get("experiment_name") or ""),
@@ -374,7 +372,7 @@ class RunPool:
         self.ledger.create_run(RunRecord(
             id=job.run_id, snapshot_id=job.snapshot_id, config_yaml=job.yaml_text,
             config_hash=config_hash(job.yaml_text),
-            experiment_name=str(_job_dict(job.yaml_text).get("experiment_name") or ""),
+            experiment_name=str(job_fields(job.yaml_text).get("experiment_name") or ""),
             started_by=role, started_at=now, run_dir=str(self.settings.runs_dir / job.run_id),
             status="queued", name=job.name, default_run=False))
         self._queue.append(_Queued(job, need, now, role))
@@ -427,8 +425,3 @@ class RunPool:
                                            final_state=EngineState.OFFLINE.value,
                                            reason=f"could not start from the queue: "
                                                   f"{exc.detail}")
-
-
-def _job_dict(yaml_text: str) -> dict[str, object]:
-    data = yaml.safe_load(yaml_text)
-    return data if isinstance(data, dict) else {}
