@@ -511,7 +511,7 @@ class RunPublic(BaseModel):
     started_by: str
     started_at: float
     ended_at: float | None = None
-    status: str = Field(description="booting | running | ended | failed")
+    status: str = Field(description="queued | booting | running | ended | failed")
     final_state: str | None = None
     exit_code: int | None = None
     reason: str | None = None

@@ -20,6 +20,7 @@ from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
+from swarm_server.devices import DevicePool
 from swarm_server.engine_user import resolve_engine_user
 from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
@@ -27,6 +28,7 @@ from swarm_server.errors import StartupRefused, install_error_handlers
 from swarm_server.ledger import Ledger, LedgerUnusable, check_ledger_file, set_ledger_aside
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
+from swarm_server.run_pool import RunPool
 from swarm_server.server_code import ServerCode
 from swarm_server.ui import SessionStore
 from swarm_server.ui.sessions import SignInThrottle
@@ -56,12 +58,17 @@ def build_context(settings: Settings) -> ServerContext:
     if engine_user is not None:
         snapshots.share = engine_user.share_snapshot
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
-    snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
+    devices = DevicePool.for_host(settings.devices)
+    log.info("device slots: %d %s (%s)", devices.total, devices.kind,
+             ",".join(map(str, devices.slots)))
     engine = EngineController(settings, ledger, snapshots, approvals=gate,
-                              engine_user=engine_user)
-    gateway = EpisodeGateway(settings, engine)
+                              engine_user=engine_user, devices=devices)
+    pool = RunPool(settings, ledger, snapshots, gate, engine, devices, engine_user=engine_user)
+    # GC never removes a snapshot pending review, nor one a run uses or waits for
+    snapshots.pinned = lambda: gate.pending_ids() | pool.active_snapshot_ids()
+    gateway = EpisodeGateway(settings, pool)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
-                         episodes=gateway, approvals=gate)
+                         runs=pool, episodes=gateway, approvals=gate)
 
 
 def open_ledger_path(settings: Settings) -> Path:
@@ -103,7 +110,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.snapshots.recover()
-        ctx.engine.recover()
+        ctx.runs.recover()
         log.info("swarm server ready on %s:%s (workdir %s); approvals %s", settings.host,
                  settings.port, settings.workdir,
                  f"enforced ({len(settings.approvers)} approver(s))"
@@ -112,7 +119,7 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await ctx.episodes.aclose()
-            ctx.engine.shutdown()
+            ctx.runs.shutdown()
             ctx.ledger.close()
 
     app = FastAPI(

@@ -147,6 +147,12 @@ class Settings(BaseSettings):
     max_stop_grace_s: float = Field(
         default=1800.0, ge=0,
         description="AJET_SWARM_MAX_STOP_GRACE_S: the most a job's stop_grace_s may ask")
+    devices: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="AJET_SWARM_DEVICES (`--devices N`): device slots for concurrent runs. "
+                    "On a GPU host, the first N visible GPUs (default: all of them); on a CPU "
+                    "host, N slots that runs take one per process (default: the CPU count); "
+                    "swarm_server/devices.py")
     #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
     max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
     #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db
