@@ -20,6 +20,8 @@ import pytest
 from mcp import Client
 
 from ajet.client import SwarmClient
+from ajet.errors import EngineStateConflict
+from ajet.protocol import BeginEpisodeResponse
 from mcp_bridge.models import ApprovalMode
 from mcp_bridge.server import build_server
 from tests.support import PROJECT_ROOT, start_server
@@ -48,6 +50,18 @@ async def _wait_steps(client: Client, run: str, steps: int, timeout: float = 150
                 return metrics
         assert time.monotonic() < deadline, f"run {run} made no {steps} steps in {timeout}s"
         await anyio.sleep(0.5)
+
+
+def _claim(swarm: SwarmClient, run: str, timeout: float = 30.0) -> BeginEpisodeResponse:
+    """An episode of `run`, claimed by its name; a run between steps (weight sync) says
+    409 for a moment, as the rollout workers see it too."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return swarm.open_episode(run_id=run)
+        except EngineStateConflict:
+            assert time.monotonic() < deadline, f"run {run} took no claim in {timeout}s"
+            time.sleep(0.2)
 
 
 async def _wait_rolling(client: Client, run: str, timeout: float = 120.0) -> None:
@@ -107,7 +121,7 @@ async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Pat
             assert early["run"] == "lr-c" and "is queued (#1)" in early["message"]
             # an episode claimed by name belongs to that run
             with SwarmClient(server.url) as swarm:
-                episode = swarm.open_episode(run_id="lr-b")
+                episode = await anyio.to_thread.run_sync(_claim, swarm, "lr-b")
                 assert episode.run_id == b["run_id"]
                 swarm.cancel_episode(episode.episode_uuid, reason="test: not needed")
 
