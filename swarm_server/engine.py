@@ -148,7 +148,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
 
     n_gpu, n_proc, nnodes = number("n_gpu", 0), number("n_proc", 1), number("nnodes", 1)
     per_node = n_gpu if n_gpu > 0 else n_proc
-    if per_node <= 1 and nnodes <= 1:
+    # Under Ray the launcher wraps the engine in each node's torchrun (ajet_ray_job)
+    if (per_node <= 1 and nnodes <= 1) or settings.launcher == "ray":
         return [settings.engine_python, "-m", settings.engine_module, *engine_args]
     launcher = [settings.engine_python, "-m", "torch.distributed.run",
                 f"--nproc_per_node={per_node}", "--max_restarts=0"]
@@ -571,6 +572,10 @@ class EngineController:
         except OSError as exc:
             self._finish(run, exit_code=None, spawn_error=f"could not start the engine: {exc}")
             return run_id
+        except SwarmHTTPError as exc:  # the launcher refused it (a Ray cluster too full)
+            self._finish(run, exit_code=None, spawn_error=f"the launcher refused the run: "
+                                                          f"{exc.detail}")
+            raise
         with self._lock:
             run.handle = handle
         self.ledger.update_run(run_id, pid=handle.pid, pid_start_time=handle.start_time)
@@ -737,6 +742,8 @@ class EngineController:
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
                                         f"{final_state}")
+                if run.handle is not None and run.handle.detail:  # the launcher's word
+                    reason += f"; {run.handle.detail}"  # on the node and rank that ended it
                 failure = _engine_failure(run.run_dir)
                 if failure is not None:  # its own word on which rank failed, and how
                     reason += f": {failure.describe()}"

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,7 +67,7 @@ from ajet.errors import (
     SwarmValidationError,
     error_for_status,
 )
-from swarm_server.engine_channel import ChannelError, EngineChannel, Reply
+from swarm_server.engine_channel import ChannelError, ChannelTarget, EngineChannel, Reply
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
 from swarm_server.settings import Settings
 
@@ -109,9 +110,12 @@ class _Entry:
 
 
 class EpisodeGateway:
-    def __init__(self, settings: Settings, engine: EngineView) -> None:
+    def __init__(self, settings: Settings, engine: EngineView, *,
+                 channel_target: Callable[[Path], ChannelTarget] | None = None) -> None:
         self.settings = settings
         self.engine = engine
+        # where a run's channel really is: its socket, or the launcher's TCP endpoint
+        self._channel_target = channel_target or (lambda path: path)
         self.signer = EpisodeKeySigner(ttl_s=settings.episode_key_ttl_s)
         self._episodes: dict[str, _Entry] = {}
         self._channel: EngineChannel | None = None
@@ -319,7 +323,7 @@ class EpisodeGateway:
         if self._channel is None or self._channel_for != (run_id, socket_path):
             if self._channel is not None:  # idle connections of the old run: close them
                 self._channel.close()
-            self._channel = EngineChannel(socket_path,
+            self._channel = EngineChannel(self._channel_target(socket_path),
                                           timeout_s=self.settings.engine_request_timeout_s)
             self._channel_for = (run_id, socket_path)
             # entries of earlier runs can never be used again

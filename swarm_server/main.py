@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -35,6 +36,9 @@ from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.workdir import prepare_workdir
 
+if TYPE_CHECKING:
+    from swarm_server.launchers.ray_launcher import RaySpawner
+
 __all__ = ["build_context", "create_app"]
 
 log = logging.getLogger(__name__)
@@ -57,11 +61,32 @@ def build_context(settings: Settings) -> ServerContext:
         snapshots.share = engine_user.share_snapshot
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
     snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
+    launcher = _launcher(settings, engine_user)
     engine = EngineController(settings, ledger, snapshots, approvals=gate,
-                              engine_user=engine_user)
-    gateway = EpisodeGateway(settings, engine)
+                              engine_user=engine_user,
+                              spawner=launcher, probe=launcher.probe if launcher else None)
+    gateway = EpisodeGateway(settings, engine,
+                             channel_target=launcher.channel_target if launcher else None)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
                          episodes=gateway, approvals=gate)
+
+
+def _launcher(settings: Settings, engine_user: object | None) -> RaySpawner | None:
+    """The Ray launcher under `--launcher ray` (None: the local one, the controller's
+    default); refused at start when Ray is missing or its cluster unreachable."""
+    if settings.launcher != "ray":
+        return None
+    if engine_user is not None:
+        raise StartupRefused("--engine-user does not apply under --launcher ray: the ranks "
+                             "run as the Ray cluster's user; leave --engine-user unset")
+    from swarm_server.launchers.ray_launcher import RaySpawner  # the `ray` extra
+
+    try:
+        spawner = RaySpawner.connect(settings)
+    except OSError as exc:
+        raise StartupRefused(str(exc)) from exc
+    spawner.stop_strays()  # a killed server's runs: recover() then closes their rows
+    return spawner
 
 
 def open_ledger_path(settings: Settings) -> Path:
