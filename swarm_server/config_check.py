@@ -94,7 +94,8 @@ def refuse_yaml_expansion(yaml_text: str) -> None:
 
 
 def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None,
-                      engine_user: EngineUser | None = None) -> ValidatedConfig:
+                      engine_user: EngineUser | None = None,
+                      extra_env: dict[str, str] | None = None) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
     Raises `SwarmValidationError` naming each bad field, or saying why the validator failed.
@@ -107,7 +108,8 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     try:
         proc = subprocess.run(
             cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
-            env=engine_env(settings, base_dir, user=engine_user),
+            # extra_env: the launcher's word on the nodes' memory, for the planner
+            env={**engine_env(settings, base_dir, user=engine_user), **(extra_env or {})},
             timeout=settings.config_validate_timeout_s, check=False,
             **(engine_user.popen_kwargs() if engine_user is not None else {}),
         )

@@ -348,8 +348,11 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
+                # a launcher that knows the nodes (Ray) tells the planner their memory
+                planner_env = getattr(self.spawner, "planner_env", None)
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
-                                            engine_user=self.engine_user)
+                                            engine_user=self.engine_user,
+                                            extra_env=planner_env() if planner_env else None)
                 self._resume_point(_job_dict(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",

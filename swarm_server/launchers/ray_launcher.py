@@ -50,7 +50,7 @@ from swarm_server.supervisor import (
     TcpProbe,
 )
 
-__all__ = ["RayPlacementRefused", "RaySpawner", "job_shape"]
+__all__ = ["RayPlacementRefused", "RaySpawner", "job_shape", "node_memory_env"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,32 @@ def job_shape(job: dict[str, object]) -> JobShape:
     n_gpu = number("n_gpu", 0)
     return JobShape(nnodes=number("nnodes", 1), n_gpu=n_gpu,
                     nproc_per_node=n_gpu if n_gpu > 0 else number("n_proc", 1))
+
+
+def node_memory_env(nodes: list[dict[str, Any]]) -> dict[str, str]:
+    """`AJET_ENGINE_HOST_MEMORY_GB` and `AJET_ENGINE_GPU_MEMORY_GB` from the dashboard's
+    node summary: the smallest alive node's host memory (its `mem` total, bytes) and the
+    smallest GPU's (`memory_total`, MiB). A run may land on any node, so the smallest."""
+    hosts: list[float] = []
+    gpus: list[float] = []
+    for node in nodes:
+        state = (node.get("raylet") or {}).get("state")
+        if state not in (None, "ALIVE"):
+            continue
+        mem = node.get("mem")
+        if isinstance(mem, list) and mem and isinstance(mem[0], (int, float)) and mem[0] > 0:
+            hosts.append(float(mem[0]))
+        for gpu in node.get("gpus") or []:
+            total = gpu.get("memory_total", gpu.get("memoryTotal")) if isinstance(gpu, dict) \
+                else None
+            if isinstance(total, (int, float)) and total > 0:
+                gpus.append(float(total))
+    env = {}
+    if hosts:
+        env["AJET_ENGINE_HOST_MEMORY_GB"] = f"{min(hosts) / 2**30:.3f}"
+    if gpus:
+        env["AJET_ENGINE_GPU_MEMORY_GB"] = f"{min(gpus) / 1024:.3f}"
+    return env
 
 
 @dataclass
@@ -250,6 +276,24 @@ class RaySpawner:
     def probe(self, socket_path: Path) -> EngineProbe:
         """`ProbeFactory`: `GET /status` over the run's TCP endpoint, once it is known."""
         return _RayProbe(self, socket_path)
+
+    def planner_env(self) -> dict[str, str]:
+        """For the config's memory planner: the smallest host memory and the smallest GPU
+        among the cluster's alive nodes, as Ray's dashboard reports them (GiB)."""
+        import httpx
+
+        try:
+            # Ray's own client headers: they carry its token where the cluster uses one
+            headers = dict(getattr(self._client, "_headers", None) or {})
+            reply = httpx.get(f"{self.settings.ray_address.rstrip('/')}/nodes",
+                              params={"view": "summary"}, headers=headers, timeout=10)
+            reply.raise_for_status()
+            nodes = reply.json()["data"]["summary"]
+        except Exception as exc:  # noqa: BLE001 - the planner then measures this machine
+            log.warning("cannot read the Ray nodes' memory (%s); the memory planner uses "
+                        "this machine's", exc)
+            return {}
+        return node_memory_env(nodes)
 
     def stop_strays(self) -> list[str]:
         """Stop the Ray jobs of this workdir an earlier server left running; their ids."""

@@ -110,7 +110,11 @@ def test_multi_node_fields_follow_the_launcher(server: ServerHandle) -> None:
             client.check_config(AgentJetJob(**{**JOB, "rdzv_endpoint": "10.0.0.1:29500"}))
         assert refused.value.status == 422
         assert "cannot be set under the Ray launcher" in str(refused.value.detail)
-        assert client.check_config(AgentJetJob(**JOB)).config["nnodes"] == 2
+        accepted = client.check_config(AgentJetJob(**JOB))
+        assert accepted.config["nnodes"] == 2
+        # the planner counted the memory Ray reports for its nodes, not this machine's
+        assert accepted.memory is not None
+        assert "AJET_ENGINE_HOST_MEMORY_GB=" in accepted.memory["available_source"]
 
 
 def test_a_run_the_cluster_cannot_hold_is_refused_with_what_is_free(

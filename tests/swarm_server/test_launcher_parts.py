@@ -1,5 +1,6 @@
-"""Rank 0's private channel on TCP (the Ray launcher's): bearer token, same routes, same
-client code; and the multi-node job fields each launcher accepts. No Ray cluster here.
+"""The Ray launcher's parts that need no Ray cluster: rank 0's private channel on TCP
+(bearer token, same routes, same client code), the multi-node job fields each launcher
+accepts, the nodes' memory for the planner, and the driver's verdict on who ended a run.
 
 The channel is the engine's own transport (`ChannelServer` with `BearerGuard`) on a real
 port of 127.0.0.1, spoken to by the server's `EngineChannel` and `TcpProbe`.
@@ -20,6 +21,8 @@ from ajet.engine.transport.unix_server import BearerGuard, ChannelServer
 from ajet.protocol import EngineReport, EngineState
 from swarm_server.config_check import launcher_problem
 from swarm_server.engine_channel import EngineChannel, TcpEndpoint
+from swarm_server.launchers.ajet_ray_job.__main__ import _verdict
+from swarm_server.launchers.ray_launcher import node_memory_env
 from swarm_server.settings import Settings
 from swarm_server.supervisor import TcpProbe
 
@@ -99,3 +102,26 @@ def test_multi_node_fields_each_launcher_accepts(tmp_path: Path) -> None:
     assert launcher_problem(ray, two) is None
     refused = launcher_problem(ray, {**two, "node_rank": 1, "rdzv_endpoint": "h:1"}) or ""
     assert "node_rank=1 and rdzv_endpoint=h:1 cannot be set under the Ray launcher" in refused
+
+
+def test_the_planner_gets_the_smallest_nodes_memory() -> None:
+    nodes = [
+        {"raylet": {"state": "ALIVE"}, "mem": [64 * 2**30, 1, 0, 0],
+         "gpus": [{"memory_total": 81_559}, {"memory_total": 40_960}]},
+        {"raylet": {"state": "ALIVE"}, "mem": [32 * 2**30, 1, 0, 0], "gpus": []},
+        {"raylet": {"state": "DEAD"}, "mem": [1 * 2**30, 1, 0, 0]},
+    ]
+    assert node_memory_env(nodes) == {"AJET_ENGINE_HOST_MEMORY_GB": "32.000",
+                                      "AJET_ENGINE_GPU_MEMORY_GB": "40.000"}
+    assert node_memory_env([]) == {}
+
+
+def test_the_driver_names_the_rank_that_ended_first() -> None:
+    infos = [{"index": i, "ip": "10.0.0.%d" % i, "host": f"h{i}", "node_id": f"{i}" * 12}
+             for i in range(2)]
+    states = [{"exit_code": 1, "first_end": {"rank": 0, "pid": 7, "at": 20.0}},
+              {"exit_code": 1, "first_end": {"rank": 1, "pid": 9, "at": 10.0}}]
+    code, detail = _verdict(states, infos)
+    assert code == 1 and detail.startswith("rank 1 (pid 9) on node 1 (10.0.0.1, host h1")
+    clean = [{"exit_code": 0, "first_end": None}, {"exit_code": 0, "first_end": None}]
+    assert _verdict(clean, infos) == (0, "every node's engine exited with code 0")
