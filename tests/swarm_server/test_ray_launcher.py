@@ -23,7 +23,7 @@ from ajet.copilot.job import AgentJetJob
 from ajet.errors import EngineStateConflict, SwarmHTTPError
 from ajet.protocol import EngineState
 from tests.support import make_ajet_repo, start_server
-from tests.support.ray_cluster import LocalRayCluster, local_ray_cluster
+from bench.ray_cluster import LocalRayCluster, local_ray_cluster
 from tests.support.servers import ServerHandle
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""A local Ray cluster of two nodes on this machine, for the Ray launcher's tests and bench.
+"""A local Ray cluster of two nodes on this machine, for the Ray launcher's bench and tests.
 
 Two raylets (Ray's `cluster_utils.Cluster`), each with one CPU and a resource of its own,
 and the dashboard on the head (Ray's Jobs API lives there). Kept small for two cores:
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from tests.support.servers import free_port
+from bench.harness import free_port
 
 __all__ = ["LocalRayCluster", "local_ray_cluster"]
 
