@@ -584,8 +584,9 @@ class CheckpointManifest(BaseModel):
 class DevicePoolStatus(BaseModel):
     """The server's device slots and who holds them (`--devices`, or the visible GPUs)."""
 
-    kind: Literal["gpu", "cpu"] = Field(
-        description="gpu: slots are GPU indices; cpu: --devices N slots for CPU processes")
+    kind: Literal["gpu", "cpu", "ray"] = Field(
+        description="gpu: slots are GPU indices; cpu: --devices N slots for CPU processes; "
+                    "ray: none here, Ray's placement groups reserve each run's devices")
     total: int
     free: list[int]
     held: dict[str, list[int]] = Field(default_factory=dict, description="run id -> slots")

@@ -5,7 +5,8 @@ On a GPU host a slot is a GPU index: the visible GPUs (the server's own
 them. A run holds `n_gpu` of them and its engine sees only those (`CUDA_VISIBLE_DEVICES`
 in its environment). On a CPU host there is nothing to hand out, but the same scheduling
 runs on `--devices N` slots (default: the CPU count), one per engine process (`n_proc`),
-so queueing and refusals behave and are tested as on a GPU host.
+so queueing and refusals behave and are tested as on a GPU host. Under the Ray launcher
+the pool counts nothing: Ray's placement groups reserve each run's GPUs.
 
 The server never imports torch: the GPUs are counted from the environment and the
 driver's tool, which is what the engine's CUDA runtime will see.
@@ -64,6 +65,8 @@ def devices_needed(job: Mapping[str, object], kind: str) -> int:
         return value if isinstance(value, int) and not isinstance(value, bool) else default
 
     n_gpu = number("n_gpu", 0)
+    if kind == "ray":
+        return 0
     if kind == "gpu":
         return n_gpu
     return n_gpu if n_gpu > 0 else max(1, number("n_proc", 1))
@@ -91,6 +94,12 @@ class DevicePool:
         if gpus:
             return cls("gpu", gpus[:devices] if devices else gpus)
         return cls("cpu", list(range(devices or os.cpu_count() or 1)))
+
+    @classmethod
+    def for_ray(cls) -> DevicePool:
+        """Under the Ray launcher: no local slots to count; a run needs none here, and
+        Ray's placement group reserves its GPUs (or refuses, with what is free)."""
+        return cls("ray", [])
 
     @property
     def total(self) -> int:
@@ -140,12 +149,14 @@ class DevicePool:
             "this one with POST /runs, which queues it until the devices are free")
 
     def status(self, queued: list[str]) -> DevicePoolStatus:
-        return DevicePoolStatus(kind="gpu" if self.kind == "gpu" else "cpu",
-                                total=self.total, free=self.free(), held=self.held(),
+        return DevicePoolStatus(kind="ray" if self.kind == "ray" else
+                                "gpu" if self.kind == "gpu" else "cpu", total=self.total, free=self.free(), held=self.held(),
                                 queued=queued)
 
     def environment(self, slots: list[int]) -> dict[str, str]:
         """What a run's engine gets in its environment for `slots`."""
+        if self.kind == "ray":
+            return {}
         if self.kind == "gpu":
             return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
         return {"AJET_ENGINE_DEVICE_SLOTS": ",".join(map(str, slots))}

@@ -151,7 +151,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
 
     n_gpu, n_proc, nnodes = number("n_gpu", 0), number("n_proc", 1), number("nnodes", 1)
     per_node = n_gpu if n_gpu > 0 else n_proc
-    if per_node <= 1 and nnodes <= 1:
+    # Under Ray the launcher wraps the engine in each node's torchrun (ajet_ray_job)
+    if (per_node <= 1 and nnodes <= 1) or settings.launcher == "ray":
         return [settings.engine_python, "-m", settings.engine_module, *engine_args]
     launcher = [settings.engine_python, "-m", "torch.distributed.run",
                 f"--nproc_per_node={per_node}", "--max_restarts=0"]
@@ -377,8 +378,11 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
+                # a launcher that knows the nodes (Ray) tells the planner their memory
+                planner_env = getattr(self.spawner, "planner_env", None)
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
-                                            engine_user=self.engine_user)
+                                            engine_user=self.engine_user,
+                                            extra_env=planner_env() if planner_env else None)
                 self._resume_point(job_fields(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
@@ -651,6 +655,10 @@ class EngineController:
         except OSError as exc:
             self._finish(run, exit_code=None, spawn_error=f"could not start the engine: {exc}")
             return run_id
+        except SwarmHTTPError as exc:  # the launcher refused it (a Ray cluster too full)
+            self._finish(run, exit_code=None, spawn_error=f"the launcher refused the run: "
+                                                          f"{exc.detail}")
+            raise
         with self._lock:
             run.handle = handle
         self.ledger.update_run(run_id, pid=handle.pid, pid_start_time=handle.start_time)
@@ -820,6 +828,8 @@ class EngineController:
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
                                         f"{final_state}")
+                if run.handle is not None and run.handle.detail:  # the launcher's word
+                    reason += f"; {run.handle.detail}"  # on the node and rank that ended it
                 failure = _engine_failure(run.run_dir)
                 if failure is not None:  # its own word on which rank failed, and how
                     reason += f": {failure.describe()}"

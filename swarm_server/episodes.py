@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -65,7 +66,7 @@ from ajet.errors import (
     SwarmValidationError,
     error_for_status,
 )
-from swarm_server.engine_channel import ChannelError, EngineChannel, Reply
+from swarm_server.engine_channel import ChannelError, ChannelTarget, EngineChannel, Reply
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
 from swarm_server.settings import Settings
 
@@ -121,9 +122,12 @@ class _Entry:
 
 
 class EpisodeGateway:
-    def __init__(self, settings: Settings, runs: RunsView) -> None:
+    def __init__(self, settings: Settings, runs: RunsView, *,
+                 channel_target: Callable[[Path], ChannelTarget] | None = None) -> None:
         self.settings = settings
         self.runs = runs
+        # where a run's channel really is: its socket, or the launcher's TCP endpoint
+        self._channel_target = channel_target or (lambda path: path)
         self.signer = EpisodeKeySigner(ttl_s=settings.episode_key_ttl_s)
         self._episodes: dict[str, _Entry] = {}
         self._channels: dict[str, tuple[Path, EngineChannel]] = {}  # run id -> its channel
@@ -340,7 +344,8 @@ class EpisodeGateway:
         held = self._channels.get(run_id)
         if held is not None and held[0] == socket_path:
             return run_id, held[1]
-        channel = EngineChannel(socket_path, timeout_s=self.settings.engine_request_timeout_s)
+        channel = EngineChannel(self._channel_target(socket_path),
+                                timeout_s=self.settings.engine_request_timeout_s)
         self._channels[run_id] = (socket_path, channel)
         self._forget_ended_runs()
         return run_id, channel

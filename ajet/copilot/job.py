@@ -404,8 +404,8 @@ class AgentJetJob(BaseModel):
                 f"{self.max_model_len}")
         if self.node_rank >= self.nnodes:
             raise ValueError("node_rank must be smaller than nnodes")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        # rdzv_endpoint for nnodes > 1 is the server's rule: its launcher decides (the
+        # local one needs it, the Ray launcher refuses it), swarm_server/config_check.py
         if not self.swarm_mode:
             raise ValueError("swarm_mode=False is not supported: this server trains in swarm "
                              "mode only (rollouts come from clients); leave swarm_mode unset")

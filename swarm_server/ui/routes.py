@@ -42,7 +42,7 @@ from swarm_server.auth import approver_of, bearer_token, role_of
 from swarm_server.context import ServerContext
 from swarm_server.deps import ConsoleAuth, Ctx
 from swarm_server.limits import ANONYMOUS_BODY_BYTES, AnonymousGate, BodyLimit
-from swarm_server.ledger import RunRecord, SnapshotRecord
+from swarm_server.ledger import ACTIVE_RUN_STATUSES, RunRecord, SnapshotRecord
 from swarm_server.routes.approvals import decide
 from swarm_server.run_files import read_log_lines, read_metrics
 from swarm_server.ui.render import PYGMENTS_CSS, diff_line_html, svg_chart
@@ -356,7 +356,11 @@ def runs_page(request: Request, ctx: Ctx, session: ConsoleAuth,
         tail, _, _ = read_log_lines(ctx.engine.run_dir(latest) / "engine.log", tail=40,
                                     redact=ctx.settings.secret_values())
     metrics = sorted(names | set(_METRICS)) if names else list(_METRICS)
+    active, _ = ctx.ledger.list_runs(statuses=ACTIVE_RUN_STATUSES, limit=200)
+    live = [{"rec": rec, "state": ctx.runs.live_state(rec.id),
+             "place": ctx.runs.queue_place(rec.id)} for rec in active]
     return _page("runs.html", request, ctx, session, status=ctx.engine.status(), rows=rows,
+                 active=live, devices=ctx.runs.devices_status(),
                  total=total, chosen=chosen, metric=metric, metrics=metrics,
                  chart=svg_chart(series, metric=metric), latest=latest,
                  log_tail=[escape_text(line) for line in tail])

@@ -121,6 +121,17 @@ def test_two_runs_on_two_snapshots_serve_side_by_side_and_a_third_waits_its_turn
     assert listed["devices"]["queued"] == [c["run_id"]]
     assert set(listed["devices"]["held"]) == {a["run_id"], b["run_id"]}
 
+    # the console shows the operator the same: each run, its devices, the queue
+    with srv.http_as(None) as browser:
+        assert browser.post("/ui/login", data={"token": APPROVER_TOKEN}).status_code in (
+            200, 303)
+        page = browser.get("/ui/runs").text
+    table = page[page.index('id="active-runs"'):page.index("</table>", page.index(
+        'id="active-runs"'))]
+    for name in ("lr-low", "lr-high", "lr-mid"):
+        assert name in table
+    assert "0 of 2 free" in page and "#1: needs 1 device slot" in table
+
     stopped = control.post("/runs/lr-low/stop", json={"reason": "a loser"}).json()
     assert stopped["stopped"] and stopped["run_id"] == a["run_id"]
     _wait_state(control, "lr-mid", ROLLING)  # the queued run took the freed slot

@@ -124,6 +124,9 @@ _LOGIT_COPIES = 4
 _HOST_PER_GPU_PROCESS = 5 * GiB // 2
 #: Environment override of the host memory the planner assumes (GiB).
 HOST_MEMORY_ENV = "AJET_ENGINE_HOST_MEMORY_GB"
+#: Environment override of one GPU's memory (GiB): the smallest GPU of the nodes a launcher
+#: places runs on (the Ray launcher sets both from what Ray reports of its nodes).
+GPU_MEMORY_ENV = "AJET_ENGINE_GPU_MEMORY_GB"
 _HOST_PHASES = ("boot", "checkpoint save")
 #: Candidates for "more GPUs" (per node), and nodes of 8 GPUs after that.
 _GPU_COUNTS = (2, 4, 8)
@@ -441,11 +444,18 @@ def detect_available(job: JobView, *, smi_timeout_s: float = 10.0,
     (or the container's limit) divided among the node's `n_proc` processes.
     """
     if not job.on_gpu:
-        total, source = _host_memory()
+        host = detect_host()  # the nodes' own, where a launcher names it
+        total, source = host.bytes, host.source
         share = total // max(1, job.procs_per_node)
         if job.procs_per_node > 1:
             source += f", shared by {job.procs_per_node} processes"
         return Available(share, source)
+    given = os.environ.get(GPU_MEMORY_ENV)
+    if given:
+        try:
+            return Available(int(float(given) * GiB), f"{GPU_MEMORY_ENV}={given}")
+        except ValueError:
+            log.warning("%s=%r is not a number of GiB; ignored", GPU_MEMORY_ENV, given)
     totals = gpu_totals(smi_timeout_s)
     if totals:
         used = totals[:job.n_gpu] if len(totals) >= job.n_gpu else totals

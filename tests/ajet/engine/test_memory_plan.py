@@ -277,6 +277,11 @@ def test_memory_available_from_nvidia_smi_gpu_memory_gb_and_the_host(
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert detect_available(JobView(n_gpu=0, n_proc=1)).bytes <= host
     assert detect_available(JobView(n_gpu=0, n_proc=4)).bytes <= host // 4
+    # a launcher's word on its nodes (the Ray launcher: what Ray reports) comes first
+    monkeypatch.setenv("AJET_ENGINE_GPU_MEMORY_GB", "40")
+    assert detect_available(JobView(n_gpu=1)).bytes == 40 * GiB
+    monkeypatch.setenv("AJET_ENGINE_HOST_MEMORY_GB", "8")
+    assert detect_available(JobView(n_gpu=0, n_proc=2)).bytes == 4 * GiB
 
 
 def test_a_job_whose_model_has_no_config_json_here_is_not_planned(tmp_path: Path) -> None:
