@@ -240,7 +240,7 @@ def job_for(args: argparse.Namespace, model_dir: Path, *, lora_rank: int = 0,
         lora_target_modules="all-linear", lora_save_merged=False,
         activation_checkpointing=True, micro_batch_tokens=args.micro_batch_tokens,
         mini_batch_num=1, gpu_memory_gb=80.0, gpu_memory_utilization=0.85,
-        fsdp=world_size > 1 or None, recompute_old_logprobs="auto",
+        fsdp=world_size > 1 or None, recompute_old_logprobs="auto", async_save="auto",
         timeline_merging=True, timeline_compare_level="token", train_agents=[],
         # the original AgentJet's names, at their defaults
         # the episodes open at once: the KV cache is sized for every request together

@@ -25,7 +25,7 @@ class _Metrics:
 
 
 def _trend(values: list[float]) -> Any:
-    bridge = SimpleNamespace(client=_Metrics(values))
+    bridge = SimpleNamespace(client=_Metrics(values), run_ref=lambda run: run or "current")
     result, _ = tools.read_metrics(bridge, metrics=["reward_mean"])  # type: ignore[arg-type]
     (trend,) = result.trend
     return trend

@@ -52,20 +52,29 @@ WORKER = {"Authorization": f"Bearer {WORKER_TOKEN}"}
 
 @dataclass
 class StandInEngine:
-    """What the gateway sees of the engine controller (`EngineView`): a rolling run."""
+    """What the gateway sees of the runs (`RunsView`): one rolling run."""
 
     socket: Path
     state: EngineState = EngineState.ROLLING
     steps: list[int] = field(default_factory=lambda: [0])
 
-    def engine_socket(self) -> Path | None:
-        return self.socket
-
-    def current_run_id(self) -> str | None:
+    def default_run_id(self) -> str | None:
         return "run-messages"
 
-    def current_step(self) -> int | None:
+    def serving_socket(self, run_id: str) -> Path | None:
+        return self.socket if run_id == "run-messages" else None
+
+    def run_step(self, run_id: str) -> int | None:
         return self.steps[-1]
+
+    def resolve(self, ref: str) -> str:
+        return ref
+
+    def live_state(self, run_id: str | None) -> EngineState | None:
+        return self.state
+
+    def describe(self, run_id: str | None) -> str:
+        return f"engine is {self.state}"
 
 
 @dataclass
@@ -111,7 +120,7 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
     app = create_app(Settings(workdir=root / "swarm", max_json_bytes=MAX_JSON_BYTES,
                               token="control-token-for-messages",
                               worker_token=WORKER_TOKEN))
-    app.state.ctx.episodes.engine = StandInEngine(root / "engine.sock")
+    app.state.ctx.episodes.runs = StandInEngine(root / "engine.sock")
     try:
         with TestClient(app) as http:
             yield Plane(http, generator, plane, generator.max_positions)
