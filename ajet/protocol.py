@@ -28,6 +28,8 @@ __all__ = [
     "AuditEntry",
     "AuditPage",
     "BeginEpisodeRequest",
+    "DevicePoolStatus",
+    "StartRunRequest",
     "BeginEpisodeResponse",
     "BlobsUploaded",
     "CanContinueEpisodeRequest",
@@ -180,6 +182,12 @@ class EngineStatus(BaseModel):
         description="Approval of the active code (the server's own code counts as approved)")
     trackers: dict[str, str] = Field(
         default_factory=dict, description="Where the current run's trackers write")
+    name: str | None = Field(default=None, description="The run's name (POST /runs)")
+    devices: list[int] = Field(default_factory=list,
+                               description="Device slots the run holds (GPU indices on GPUs)")
+    queue_position: int | None = Field(default=None,
+                                       description="1 = next to start, while it is queued")
+    queue_reason: str | None = Field(default=None, description="Why it waits, while queued")
 
     # The original AgentJet server's keys, so its client (and scripts reading the dict of
     # `get_engine_status()`) find what they expect (docs/compat.md).
@@ -503,7 +511,7 @@ class RunPublic(BaseModel):
     started_by: str
     started_at: float
     ended_at: float | None = None
-    status: str = Field(description="booting | running | ended | failed")
+    status: str = Field(description="queued | booting | running | ended | failed")
     final_state: str | None = None
     exit_code: int | None = None
     reason: str | None = None
@@ -526,6 +534,18 @@ class RunPublic(BaseModel):
     trackers: dict[str, str] = Field(
         default_factory=dict, description="Where each of the job's trackers writes (for "
                                           "TensorBoard, the command to read it)")
+    name: str | None = Field(default=None, description="The name given at POST /runs")
+    default_run: bool = Field(
+        default=False, description="Started by start_engine (the single-engine surface), "
+                                   "not by POST /runs")
+    devices: list[int] = Field(
+        default_factory=list, description="Device slots it holds (GPU indices on a GPU "
+                                          "host: its CUDA_VISIBLE_DEVICES)")
+    engine_state: EngineState | None = Field(
+        default=None, description="Its engine's state while it is active (queued: None)")
+    queue_position: int | None = Field(
+        default=None, description="1 = next to start, while status is 'queued'")
+    queue_reason: str | None = Field(default=None, description="Why it waits")
 
 
 class CheckpointInfo(BaseModel):
@@ -561,11 +581,44 @@ class CheckpointManifest(BaseModel):
     etag: str = Field(description="Changes when any file does; send as If-Range to resume")
 
 
+class DevicePoolStatus(BaseModel):
+    """The server's device slots and who holds them (`--devices`, or the visible GPUs)."""
+
+    kind: Literal["gpu", "cpu", "ray"] = Field(
+        description="gpu: slots are GPU indices; cpu: --devices N slots for CPU processes; "
+                    "ray: none here, Ray's placement groups reserve each run's devices")
+    total: int
+    free: list[int]
+    held: dict[str, list[int]] = Field(default_factory=dict, description="run id -> slots")
+    queued: list[str] = Field(default_factory=list, description="Run ids waiting, in order")
+
+
 class RunsPage(BaseModel):
     runs: list[RunPublic]
     total: int
     offset: int
     limit: int
+    devices: DevicePoolStatus | None = None
+
+
+class StartRunRequest(_Model):
+    """`POST /runs`: start a run beside the ones already running, pinned to one snapshot
+    and one config, on devices of its own."""
+
+    snapshot_id: str | None = Field(
+        default=None, max_length=80,
+        description=f"A snapshot id (or unique prefix), or '{SERVER_CODE}'; default: the "
+                    "active snapshot")
+    yaml: str | None = Field(
+        default=None, max_length=1_000_000,
+        description="AgentJetJob YAML; default: the stored config (sync_train_config)")
+    name: str | None = Field(
+        default=None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
+        description="A name for the run, unique among active runs; tools accept it for "
+                    "the run id")
+    queue: bool = Field(
+        default=True, description="Wait in the queue while the devices it needs are busy; "
+                                  "false: refuse with 409 instead")
 
 
 class MetricsResponse(BaseModel):
@@ -645,6 +698,10 @@ class BeginEpisodeRequest(_Model):
     task_id: str | None = Field(
         default=None, max_length=500,
         description="The task this episode will run, if known (throttle policies count it)")
+    run_id: str | None = Field(
+        default=None, max_length=100,
+        description="The run to collect for (a run id or name of POST /runs); default: "
+                    "the run start_engine started. The episode's key works only for it")
 
 
 class BeginEpisodeResponse(BaseModel):

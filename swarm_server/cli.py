@@ -51,6 +51,16 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--engine-user", default=None, metavar="NAME",
                        help="run the engine, the standby and the validator as this OS user "
                             "(the server must be able to switch users: run it as root)")
+    start.add_argument("--devices", type=int, default=None, metavar="N",
+                       help="device slots for concurrent runs: the first N visible GPUs, or "
+                            "on a CPU host N slots, one per engine process (default: all "
+                            "GPUs, or the CPU count)")
+    start.add_argument("--launcher", choices=("local", "ray"), default=None,
+                       help="where runs are placed: this machine (local, the default) or a "
+                            "Ray cluster (ray; pip install 'agentjet-swarm[ray]')")
+    start.add_argument("--ray-address", default=None, metavar="URL",
+                       help="the Ray cluster's Jobs API address (default "
+                            "http://127.0.0.1:8265)")
     start.add_argument("--new-ledger", action="store_true",
                        help="start a fresh ledger when the ledger file is empty or "
                             "unreadable (the old file is moved aside); without it the server "
@@ -135,9 +145,13 @@ def _start(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir).resolve()
     try:
         given = {k: v for k, v in (("engine_env", args.engine_env),
-                                   ("engine_user", args.engine_user)) if v is not None}
+                                   ("engine_user", args.engine_user),
+                                   ("launcher", args.launcher),
+                                   ("ray_address", args.ray_address)) if v is not None}
         if args.new_ledger:
             given["new_ledger"] = True
+        if args.devices is not None:
+            given["devices"] = args.devices
         settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir, **given)
     except ValidationError as exc:
         for err in exc.errors():

@@ -94,7 +94,8 @@ def refuse_yaml_expansion(yaml_text: str) -> None:
 
 
 def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | None,
-                      engine_user: EngineUser | None = None) -> ValidatedConfig:
+                      engine_user: EngineUser | None = None,
+                      extra_env: dict[str, str] | None = None) -> ValidatedConfig:
     """Run the validator from `base_dir` (a snapshot) or the server's ajet (None).
 
     Raises `SwarmValidationError` naming each bad field, or saying why the validator failed.
@@ -107,7 +108,8 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     try:
         proc = subprocess.run(
             cmd, input=yaml_text.encode("utf-8"), capture_output=True, cwd=cwd,
-            env=engine_env(settings, base_dir, user=engine_user),
+            # extra_env: the launcher's word on the nodes' memory, for the planner
+            env={**engine_env(settings, base_dir, user=engine_user), **(extra_env or {})},
             timeout=settings.config_validate_timeout_s, check=False,
             **(engine_user.popen_kwargs() if engine_user is not None else {}),
         )
@@ -163,6 +165,12 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
     config = result.get("config")
     if not isinstance(config, dict):
         raise SwarmValidationError(422, "the job validator returned no config", _HINT_FIX_CODE)
+    problem = launcher_problem(settings, config)
+    if problem is not None:
+        field = "rdzv_endpoint" if "required" in problem else "node_rank/rdzv_endpoint"
+        raise SwarmValidationError(422, [{"loc": [field], "msg": problem, "type": "value_error"}],
+                                   "fix the job's multi-node fields; nothing was changed "
+                                   "(the previous config stays)")
     text = yaml.safe_dump(config, sort_keys=False)
     memory = result.get("memory")
     if isinstance(memory, dict) and memory.get("fits") is False:
@@ -175,6 +183,30 @@ def validate_job_yaml(settings: Settings, yaml_text: str, *, base_dir: Path | No
                for n in result.get("notes") or [] if isinstance(n, dict)],
         memory=memory if isinstance(memory, dict) else None,
     )
+
+
+def launcher_problem(settings: Settings, job: dict[str, Any]) -> str | None:
+    """Why `job`'s multi-node fields do not fit the server's launcher, or None.
+
+    Under Ray the nodes are Ray's: `nnodes` and `n_gpu` (per node) say what to reserve,
+    and the node index and rendezvous are the launcher's to choose. The local launcher
+    runs one node's share per server, so a job of several nodes names both.
+    """
+    node_rank, rdzv = job.get("node_rank") or 0, job.get("rdzv_endpoint")
+    if settings.launcher == "ray":
+        given = [f"node_rank={node_rank}"] if node_rank else []
+        given += [f"rdzv_endpoint={rdzv}"] if rdzv else []
+        if given:
+            return (f"{' and '.join(given)} cannot be set under the Ray launcher: Ray places "
+                    "every node of the run and the launcher picks the rendezvous; set only "
+                    "nnodes and n_gpu (per node), and leave node_rank and rdzv_endpoint unset")
+        return None
+    nnodes = job.get("nnodes")
+    if isinstance(nnodes, int) and nnodes > 1 and not rdzv:
+        return ("rdzv_endpoint (host:port) is required when nnodes > 1 with the local "
+                "launcher (each node's server starts its share); or start the server with "
+                "--launcher ray to place every node from one server")
+    return None
 
 
 def _redacted(value: Any, secrets: list[str]) -> Any:

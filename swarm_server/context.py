@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from swarm_server.approvals import Approvals
     from swarm_server.engine import EngineController
     from swarm_server.episodes import EpisodeGateway
+    from swarm_server.run_pool import RunPool
     from swarm_server.snapshots import SnapshotStore
 
 __all__ = ["ServerContext"]
@@ -25,6 +26,7 @@ class ServerContext:
     settings: Settings
     ledger: Ledger
     snapshots: SnapshotStore
-    engine: EngineController
+    engine: EngineController  # the default run's (the single-engine surface)
+    runs: RunPool  # every active run, the default one included; the device slots
     episodes: EpisodeGateway
     approvals: Approvals

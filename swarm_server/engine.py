@@ -65,10 +65,12 @@ from ajet.protocol import (
 from ajet.errors import EngineStateConflict, SwarmHTTPError
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, is_inside, validate_job_yaml
+from swarm_server.devices import DevicePool, devices_needed
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import Ledger, RunRecord
 from swarm_server.run_checkpoints import (
     ResumePoint,
+    discard_partials,
     last_checkpoint,
     resolve_resume,
     saves_in_progress,
@@ -83,7 +85,7 @@ from swarm_server.run_files import (
 from swarm_server.run_info import write_run_info
 from swarm_server.server_code import ServerCode
 from swarm_server.settings import Settings
-from swarm_server.snapshots import SnapshotStore
+from swarm_server.snapshots import SnapshotRecord, SnapshotStore
 from swarm_server.standby_keeper import StandbyKeeper
 from swarm_server.supervisor import (
     EngineProbe,
@@ -97,7 +99,8 @@ from swarm_server.supervisor import (
     stop_group,
 )
 
-__all__ = ["LAST_CONFIG_KEY", "SERVING_STATES", "EngineController", "engine_command"]
+__all__ = ["LAST_CONFIG_KEY", "SERVING_STATES", "EngineController", "PinnedJob",
+           "engine_command", "job_fields"]
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +151,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
 
     n_gpu, n_proc, nnodes = number("n_gpu", 0), number("n_proc", 1), number("nnodes", 1)
     per_node = n_gpu if n_gpu > 0 else n_proc
-    if per_node <= 1 and nnodes <= 1:
+    # Under Ray the launcher wraps the engine in each node's torchrun (ajet_ray_job)
+    if (per_node <= 1 and nnodes <= 1) or settings.launcher == "ray":
         return [settings.engine_python, "-m", settings.engine_module, *engine_args]
     launcher = [settings.engine_python, "-m", "torch.distributed.run",
                 f"--nproc_per_node={per_node}", "--max_restarts=0"]
@@ -161,7 +165,8 @@ def engine_command(settings: Settings, *, run_id: str, run_dir: Path, socket_pat
     return [*launcher, "-m", settings.engine_module, *engine_args]
 
 
-def _job_dict(yaml_text: str) -> dict[str, object]:
+def job_fields(yaml_text: str) -> dict[str, object]:
+    """The top-level fields of a job YAML that was validated (a mapping, else empty)."""
     data = yaml.safe_load(yaml_text)
     return data if isinstance(data, dict) else {}
 
@@ -177,6 +182,18 @@ def run_limits(settings: Settings, job: dict[str, object]) -> tuple[float, float
 
     return (pick("boot_timeout_s", settings.boot_timeout_s, settings.max_boot_timeout_s),
             pick("stop_grace_s", settings.stop_grace_s, settings.max_stop_grace_s))
+
+
+@dataclass(frozen=True)
+class PinnedJob:
+    """What a run of `POST /runs` runs: one snapshot and one validated job, fixed at its
+    start request (the default run instead follows the active snapshot and the stored
+    config)."""
+
+    run_id: str
+    snapshot_id: str  # SERVER_CODE for the server's own code
+    yaml_text: str
+    name: str | None = None
 
 
 @dataclass
@@ -200,6 +217,7 @@ class _Run:
     failure: str | None = None  # the server killed it for a fault (boot timeout, wrong code)
     finished: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    devices: list[int] = field(default_factory=list)
 
 
 class EngineController:
@@ -208,20 +226,29 @@ class EngineController:
     def __init__(self, settings: Settings, ledger: Ledger, snapshots: SnapshotStore, *,
                  spawner: Spawner | None = None, probe: ProbeFactory | None = None,
                  approvals: Approvals | None = None,
-                 engine_user: EngineUser | None = None) -> None:
+                 engine_user: EngineUser | None = None, devices: DevicePool | None = None,
+                 pinned: PinnedJob | None = None,
+                 on_run_end: Callable[[str], None] | None = None,
+                 standby: bool = True) -> None:
         self.settings = settings
+        #: the server's device slots, shared by every controller (None: no accounting)
+        self.devices = devices
+        #: a run of POST /runs: its snapshot and job; None: the default run's controller
+        self.pinned = pinned
+        #: called with the run id once a run has ended and its devices are free
+        self.run_end_listener = on_run_end
         self.engine_user = engine_user  # --engine-user: every engine process runs as it
         self.ledger = ledger
         self.snapshots = snapshots
         self.approvals = approvals or Approvals(settings, ledger, snapshots,
                                                 ServerCode(_installed_ajet_dir()))
         self.spawner: Spawner = spawner or PosixSpawner(as_user=engine_user)
-        self._probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
+        self.probe_factory: ProbeFactory = probe or (lambda path: SocketProbe(path))
         # The warm standby for the next start (real processes only). Built even with
         # settings.warm_standby off, so that recover() stops one an earlier server left.
         self._standby: StandbyKeeper | None = (
             StandbyKeeper(settings, ledger, self.spawner, engine_user=engine_user)
-            if spawner is None else None)
+            if spawner is None and standby else None)
         self._lock = threading.RLock()  # guards the fields below; held only briefly
         self._lifecycle = threading.Lock()  # serialises config/start/stop/swap
         self._state = EngineState.OFFLINE
@@ -266,15 +293,16 @@ class EngineController:
             state, since, run, last_error = self._state, self._since, self._run, self._last_error
             report = run.report if run else None
             pid = run.handle.pid if run and run.handle else None
-        snapshot = self.snapshots.active()
-        yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
-        active_id = snapshot.id if snapshot else SERVER_CODE
+        snapshot, yaml_text = self._source()
+        source_id = snapshot.id if snapshot else SERVER_CODE
         return EngineStatus(
             approvals_enforced=self.approvals.enforced,
-            snapshot_approval=self.approvals.state(active_id).state,
+            snapshot_approval=self.approvals.state(source_id).state,
             state=state,
-            run_id=run.run_id if run else None,
-            snapshot_id=self.snapshots.active_id(),
+            run_id=run.run_id if run else (self.pinned.run_id if self.pinned else None),
+            name=self.pinned.name if self.pinned else None,
+            devices=list(run.devices) if run else [],
+            snapshot_id=source_id,
             snapshot_path=snapshot.path if snapshot else None,
             pid=pid,
             step=report.step if report else None,
@@ -332,6 +360,9 @@ class EngineController:
         before they stop a run for it, so a refused config leaves the run as it was.
         """
         action = "check_config" if check_only else "sync_config"
+        if self.pinned is not None:
+            raise EngineStateConflict(409, f"run {self.pinned.run_id} keeps the job it was "
+                                      "started with", "start a new run with POST /runs")
         with self._lifecycle:
             try:
                 state = self.state
@@ -347,9 +378,12 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
+                # a launcher that knows the nodes (Ray) tells the planner their memory
+                planner_env = getattr(self.spawner, "planner_env", None)
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
-                                            engine_user=self.engine_user)
-                self._resume_point(_job_dict(checked.yaml_text))  # refused now, not at start
+                                            engine_user=self.engine_user,
+                                            extra_env=planner_env() if planner_env else None)
+                self._resume_point(job_fields(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
                                   {"status": exc.status})
@@ -372,7 +406,7 @@ class EngineController:
         text = self.ledger.get_meta(LAST_CONFIG_KEY)
         if text is None:
             return None
-        data = _job_dict(text)
+        data = job_fields(text)
         return ConfigAccepted(config_hash=config_hash(text),
                               experiment_name=str(data.get("experiment_name") or ""),
                               config=data)
@@ -396,10 +430,12 @@ class EngineController:
                         "ENGINE.OFFLINE",
                         "call stop_engine first, or start_engine(force_restart=True)",
                     )
-                self._require_config()
+                yaml_text = self._require_config()
                 # before stopping anything: a refused start must not end the running run
-                self.approvals.require_runnable(self.snapshots.active_id(),
+                snapshot, _ = self._source()
+                self.approvals.require_runnable(snapshot.id if snapshot else SERVER_CODE,
                                                 doing="start the engine")
+                self._require_devices(job_fields(yaml_text))
                 if state is not EngineState.OFFLINE:
                     previous = self._stop_locked("restarted by start_engine(force_restart=True)")
                     stopped = previous.run_id
@@ -461,7 +497,7 @@ class EngineController:
             if handle is not None:
                 log.warning("stopping engine pid %s of run %s left by a previous server",
                             rec.pid, rec.id)
-                grace_s = run_limits(self.settings, _job_dict(rec.config_yaml))[1]
+                grace_s = run_limits(self.settings, job_fields(rec.config_yaml))[1]
                 stop_group(self.spawner, handle, grace_s=grace_s)
                 status, reason = "ended", (f"server restarted: the engine (pid {rec.pid}) the "
                                            "previous server left running was stopped")
@@ -469,11 +505,13 @@ class EngineController:
                 status, reason = "failed", ("server restarted: the engine process was already "
                                             "gone (exit code unknown)")
             points = read_metrics(Path(rec.run_dir) / "metrics.jsonl")
+            discard_partials(Path(rec.run_dir), run_id=rec.id)
+            last = last_checkpoint(Path(rec.run_dir))
             self.ledger.update_run(
                 rec.id, status=status, reason=reason, ended_at=time.time(),
                 final_state=EngineState.OFFLINE.value,
                 last_step=points[-1]["step"] if points else rec.last_step,
-                summary=summarize(points),
+                summary=summarize(points), last_checkpoint=str(last.path) if last else None,
             )
             self.ledger.audit("recover", "server", "ok",
                               {"run_id": rec.id, "status": status, "reason": reason})
@@ -499,43 +537,87 @@ class EngineController:
 
     # ------------------------------------------------------------------ internals
 
+    def _source(self) -> tuple[SnapshotRecord | None, str | None]:
+        """(snapshot, job YAML) the next start runs: the pinned ones, or the active
+        snapshot and the stored config."""
+        if self.pinned is not None:
+            snapshot = (None if self.pinned.snapshot_id == SERVER_CODE
+                        else self.snapshots.get(self.pinned.snapshot_id))
+            return snapshot, self.pinned.yaml_text
+        return self.snapshots.active(), self.ledger.get_meta(LAST_CONFIG_KEY)
+
     def _require_config(self) -> str:
-        yaml_text = self.ledger.get_meta(LAST_CONFIG_KEY)
+        _, yaml_text = self._source()
         if not yaml_text:
             raise EngineStateConflict(409, "no training config on the server",
                                       "call sync_train_config(job) first, then start_engine")
         return yaml_text
 
+    def _require_devices(self, job: dict[str, object]) -> None:
+        """409 unless the job's devices are free (counting the ones this controller's
+        own run holds, which a restart gives back first)."""
+        if self.devices is None:
+            return
+        need = devices_needed(job, self.devices.kind)
+        with self._lock:
+            own = len(self._run.devices) if self._run is not None else 0
+        if need > len(self.devices.free()) + own:
+            raise self.devices.busy(need, own)
+
     def _start_locked(self, role: str) -> str:
         """Create the run and spawn its engine. Caller holds `_lifecycle`."""
         yaml_text = self._require_config()
-        snapshot = self.snapshots.active()
+        snapshot, _ = self._source()
+        snapshot_ref = snapshot.id if snapshot else SERVER_CODE
+        if self.pinned is not None and self.pinned.snapshot_id != SERVER_CODE \
+                and snapshot is None:
+            raise SwarmHTTPError(404, f"snapshot {self.pinned.snapshot_id[:12]} is no longer "
+                                      "stored", "sync the code again and start a new run")
         # The one gate every start passes (start, force_restart, restart after a swap).
-        self.approvals.require_runnable(snapshot.id if snapshot else SERVER_CODE,
-                                        doing="start the engine")
+        self.approvals.require_runnable(snapshot_ref, doing="start the engine")
         base = self.snapshots.base_dir(snapshot).resolve() if snapshot else None
-        job = _job_dict(yaml_text)
+        job = job_fields(yaml_text)
         resume = self._resume_point(job)
         boot_s, grace_s = run_limits(self.settings, job)
-        run_id = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+        run_id = (self.pinned.run_id if self.pinned is not None else
+                  f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}")
+        devices: list[int] = []
+        if self.devices is not None:
+            need = devices_needed(job, self.devices.kind)
+            granted = self.devices.acquire(run_id, need)
+            if granted is None:
+                raise self.devices.busy(need)
+            devices = granted
         run = _Run(run_id=run_id, run_dir=self.run_dir(run_id), snapshot_base=base,
                    boot_deadline=time.monotonic() + boot_s, boot_timeout_s=boot_s,
-                   stop_grace_s=grace_s, snapshot_id=snapshot.id if snapshot else None)
+                   stop_grace_s=grace_s, snapshot_id=snapshot.id if snapshot else None,
+                   devices=devices)
         with self._lock:
             # OFFLINE -> BOOTING: the compare-and-set that makes concurrent starts safe
-            self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
-                              hint="call stop_engine first, or start_engine(force_restart=True)")
+            try:
+                self.change_state(EngineState.OFFLINE, EngineState.BOOTING,
+                                  hint="call stop_engine first, or start_engine"
+                                       "(force_restart=True)")
+            except EngineStateConflict:
+                if self.devices is not None:
+                    self.devices.release(run_id)
+                raise
             self._run = run
             self._last_error = None
             self._last_run_id = run_id
-        self.ledger.create_run(RunRecord(
-            id=run_id, snapshot_id=self.snapshots.active_id(), config_yaml=yaml_text,
+        record = dict(
+            snapshot_id=snapshot_ref, config_yaml=yaml_text,
             config_hash=config_hash(yaml_text), experiment_name=self._experiment_name(yaml_text),
             started_by=role, started_at=time.time(), run_dir=str(run.run_dir), status="booting",
             resumed_from=resume.checkpoint.run_id if resume else None,
             resume_checkpoint=str(resume.checkpoint.path) if resume else None,
             resume_step=resume.checkpoint.step if resume else None,
-        ))
+            name=self.pinned.name if self.pinned else None,
+            default_run=self.pinned is None, devices=devices)
+        if self.pinned is not None and self.ledger.get_run(run_id) is not None:
+            self.ledger.update_run(run_id, **record)  # it waited in the queue
+        else:
+            self.ledger.create_run(RunRecord(id=run_id, **record))
         if resume is not None:
             log.info("run %s resumes from %s (step %d, run %s)", run_id,
                      resume.checkpoint.path, resume.checkpoint.step, resume.checkpoint.run_id)
@@ -557,12 +639,14 @@ class EngineController:
                 self.engine_user.share_run_dir(run.run_dir)
                 if run.socket_tmpdir is not None:
                     self.engine_user.share(run.socket_tmpdir, 0o770)
+            env = engine_env(self.settings, base, user=self.engine_user)
+            if self.devices is not None:
+                env.update(self.devices.environment(devices))
             spec = SpawnSpec(
                 argv=engine_command(self.settings, run_id=run_id, run_dir=run.run_dir,
                                     socket_path=run.socket_path, job=job,
                                     resume=resume.checkpoint.path if resume else None),
-                cwd=run.run_dir, env=engine_env(self.settings, base, user=self.engine_user),
-                log_path=log_path,
+                cwd=run.run_dir, env=env, log_path=log_path,
             )
             handle = self._standby.take(spec) if self._standby is not None else None
             warm = handle is not None
@@ -571,11 +655,16 @@ class EngineController:
         except OSError as exc:
             self._finish(run, exit_code=None, spawn_error=f"could not start the engine: {exc}")
             return run_id
+        except SwarmHTTPError as exc:  # the launcher refused it (a Ray cluster too full)
+            self._finish(run, exit_code=None, spawn_error=f"the launcher refused the run: "
+                                                          f"{exc.detail}")
+            raise
         with self._lock:
             run.handle = handle
         self.ledger.update_run(run_id, pid=handle.pid, pid_start_time=handle.start_time)
-        log.info("engine run %s started: pid %s, snapshot %s%s", run_id, handle.pid,
-                 self.snapshots.active_id(), " (warm standby)" if warm else "")
+        log.info("engine run %s started: pid %s, snapshot %s%s%s", run_id, handle.pid,
+                 snapshot_ref, f", devices {devices}" if self.devices is not None else "",
+                 " (warm standby)" if warm else "")
         threading.Thread(target=self._watch_exit, args=(run, handle), daemon=True,
                          name=f"engine-exit-{run_id}").start()
         threading.Thread(target=self._poll_status, args=(run, handle, run.socket_path),
@@ -633,7 +722,7 @@ class EngineController:
 
     def _poll_status(self, run: _Run, handle: ProcessHandle, socket_path: Path) -> None:
         """Thread: poll the engine's report while it lives; enforce boot timeout and code."""
-        probe: EngineProbe = self._probe_factory(socket_path)
+        probe: EngineProbe = self.probe_factory(socket_path)
         try:
             while not run.done.is_set() and not handle.exited:
                 report = probe.get_report()
@@ -721,6 +810,8 @@ class EngineController:
         points = read_metrics(run.run_dir / "metrics.jsonl")
         tail, _, _ = read_log_lines(run.run_dir / "engine.log", tail=LOG_TAIL_LINES,
                                     redact=self.settings.secret_values())
+        if not run.finished:  # the engine is gone: what it left half-written goes
+            discard_partials(run.run_dir, run_id=run.run_id)
         with self._lock:
             if run.finished:
                 return
@@ -737,6 +828,8 @@ class EngineController:
             else:
                 failed, reason = True, (f"the engine {_describe_exit(exit_code)} while "
                                         f"{final_state}")
+                if run.handle is not None and run.handle.detail:  # the launcher's word
+                    reason += f"; {run.handle.detail}"  # on the node and rank that ended it
                 failure = _engine_failure(run.run_dir)
                 if failure is not None:  # its own word on which rank failed, and how
                     reason += f": {failure.describe()}"
@@ -764,8 +857,12 @@ class EngineController:
                                             reason, exit_code)
         if run.socket_tmpdir is not None:
             shutil.rmtree(run.socket_tmpdir, ignore_errors=True)
+        if self.devices is not None:
+            self.devices.release(run.run_id)
         run.done.set()
         self._replenish_standby()
+        if self.run_end_listener is not None:
+            self.run_end_listener(run.run_id)
 
     def _replenish_standby(self) -> None:
         if self._standby is not None:

@@ -1,4 +1,8 @@
-"""`EngineChannel`: the server's lean HTTP/1.1 client for the engine's private Unix socket.
+"""`EngineChannel`: the server's lean HTTP/1.1 client for the engine's private channel.
+
+The channel is the engine's Unix socket, or, where rank 0 runs on another machine (the
+Ray launcher), a TCP port of rank 0 (`TcpEndpoint`): then every request carries the run's
+bearer token, and everything else below is the same.
 
 The episode gateway (`swarm_server.episodes`) forwards every begin, chat and end over
 this channel. It was an `httpx.AsyncClient`; a profile of the server put httpx, httpcore,
@@ -32,16 +36,33 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httptools
 
-__all__ = ["ChannelError", "EngineChannel", "Reply"]
+__all__ = ["ChannelError", "ChannelTarget", "EngineChannel", "Reply", "TcpEndpoint"]
 
 log = logging.getLogger(__name__)
 
 #: A streamed reply's bytes waiting for the consumer before reading pauses.
 _HIGH_WATER = 256 * 1024
+
+
+@dataclass(frozen=True)
+class TcpEndpoint:
+    """Rank 0's private channel on TCP: every request must bear `token`."""
+
+    host: str
+    port: int
+    token: str = field(repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+#: Where the channel connects: the engine's Unix socket, or its TCP endpoint.
+ChannelTarget = Path | TcpEndpoint
 
 
 class ChannelError(Exception):
@@ -265,9 +286,13 @@ class _Connection(asyncio.Protocol):
 class EngineChannel:
     """Requests to one engine socket; see the module docstring."""
 
-    def __init__(self, socket_path: Path, *, timeout_s: float, max_connections: int = 64,
+    def __init__(self, target: ChannelTarget, *, timeout_s: float, max_connections: int = 64,
                  idle_s: float = 2.0) -> None:
-        self.socket_path = str(socket_path)
+        self.target = target
+        self.socket_path = str(target)
+        # the bearer token goes on every request: the TCP port is reachable by others
+        self._auth = (f"authorization: Bearer {target.token}\r\n"
+                      if isinstance(target, TcpEndpoint) else "")
         self.timeout_s = timeout_s
         self.max_connections = max_connections
         self.idle_s = idle_s
@@ -282,7 +307,7 @@ class EngineChannel:
 
         `body` is sent as it is, with `content-type: application/json`.
         """
-        head = [f"{method} {path} HTTP/1.1\r\nhost: engine\r\n"]
+        head = [f"{method} {path} HTTP/1.1\r\nhost: engine\r\n{self._auth}"]
         head += [f"{name}: {value}\r\n" for name, value in headers]
         if body is not None:
             head.append(f"content-type: application/json\r\ncontent-length: {len(body)}\r\n")
@@ -330,15 +355,19 @@ class EngineChannel:
             await waiter  # a connection came back or closed
         self._open += 1
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_unix_connection(lambda: _Connection(self, loop), self.socket_path),
-                self.timeout_s)
+            target = self.target
+            connect = (loop.create_connection(lambda: _Connection(self, loop), target.host,
+                                              target.port)
+                       if isinstance(target, TcpEndpoint) else
+                       loop.create_unix_connection(lambda: _Connection(self, loop),
+                                                   self.socket_path))
+            _, conn = await asyncio.wait_for(connect, self.timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             self._open -= 1
             self._wake_one()
             reason = "TimeoutError" if isinstance(exc, asyncio.TimeoutError) else \
                 type(exc).__name__
-            raise ChannelError(reason, f"cannot connect to the engine's socket: {exc}") from exc
+            raise ChannelError(reason, f"cannot connect to the engine's channel: {exc}") from exc
         return conn
 
     def _give_back(self, conn: _Connection) -> None:

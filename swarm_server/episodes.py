@@ -40,12 +40,12 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel
 from pydantic_core import to_json
 from starlette.background import BackgroundTask
 
@@ -66,11 +66,11 @@ from ajet.errors import (
     SwarmValidationError,
     error_for_status,
 )
-from swarm_server.engine_channel import ChannelError, EngineChannel, Reply
+from swarm_server.engine_channel import ChannelError, ChannelTarget, EngineChannel, Reply
 from swarm_server.episode_keys import EpisodeKeySigner, InvalidEpisodeKey
 from swarm_server.settings import Settings
 
-__all__ = ["EngineView", "EpisodeGateway"]
+__all__ = ["EpisodeGateway", "RunsView"]
 
 log = logging.getLogger(__name__)
 
@@ -80,17 +80,30 @@ MAX_LOG_METRICS = 256
 MAX_METRIC_NAME = 200
 
 
-class EngineView(Protocol):
-    """What the gateway needs from `EngineController`."""
+class RunsView(Protocol):
+    """What the gateway needs from `RunPool`: which runs serve, on which socket."""
 
-    @property
-    def state(self) -> EngineState: ...
+    def default_run_id(self) -> str | None:
+        """The default run's id while it serves (begin_episode without a run)."""
+        ...
 
-    def engine_socket(self) -> Path | None: ...
+    def serving_socket(self, run_id: str) -> Path | None:
+        """The engine socket of `run_id` while it serves, else None."""
+        ...
 
-    def current_run_id(self) -> str | None: ...
+    def run_step(self, run_id: str) -> int | None: ...
 
-    def current_step(self) -> int | None: ...
+    def resolve(self, ref: str) -> str:
+        """The run id a run id or name names (404 if none)."""
+        ...
+
+    def live_state(self, run_id: str | None) -> EngineState | None:
+        """An active run's engine state (`None`: the default run's), else None."""
+        ...
+
+    def describe(self, run_id: str | None) -> str:
+        """A run's state in words (`None`: the default run's engine)."""
+        ...
 
 
 @dataclass
@@ -109,34 +122,39 @@ class _Entry:
 
 
 class EpisodeGateway:
-    def __init__(self, settings: Settings, engine: EngineView) -> None:
+    def __init__(self, settings: Settings, runs: RunsView, *,
+                 channel_target: Callable[[Path], ChannelTarget] | None = None) -> None:
         self.settings = settings
-        self.engine = engine
+        self.runs = runs
+        # where a run's channel really is: its socket, or the launcher's TCP endpoint
+        self._channel_target = channel_target or (lambda path: path)
         self.signer = EpisodeKeySigner(ttl_s=settings.episode_key_ttl_s)
         self._episodes: dict[str, _Entry] = {}
-        self._channel: EngineChannel | None = None
-        self._channel_for: tuple[str, Path] | None = None
-        self._pruned_at_step = 0
+        self._channels: dict[str, tuple[Path, EngineChannel]] = {}  # run id -> its channel
+        self._pruned_at_step: dict[str, int] = {}  # run id -> step its entries were pruned at
 
     async def aclose(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel, self._channel_for = None, None
+        for _, channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
 
     # ------------------------------------------------------------------ routes
 
     async def begin(self, body: BeginEpisodeRequest, *, public_base_url: str
                     ) -> BeginEpisodeResponse:
-        run_id, channel = self._target("begin_episode")
-        self._make_room()
-        data = await self._post_json(channel, PlanePath.BEGIN_EPISODE, body)
+        wanted = self.runs.resolve(body.run_id) if body.run_id else None
+        run_id, channel = self._target("begin_episode", wanted)
+        self._make_room(run_id)
+        # the run is the gateway's business: the engine's body has no such field
+        data = await self._post_json(channel, PlanePath.BEGIN_EPISODE,
+                                     to_json(body, exclude={"run_id"}))
         episode_uuid = str(data["episode_uuid"])
         key, expires_at = self.signer.sign(run_id, episode_uuid)
         timeout_s = data.get("timeout_s")
         self._episodes[episode_uuid] = _Entry(
             run_id=run_id, expires_at=expires_at, last_active=time.monotonic(),
             timeout_s=float(timeout_s) if timeout_s else self.settings.episode_key_ttl_s,
-            step=self._step())
+            step=self._step(run_id))
         root = public_base_url.rstrip("/")
         return BeginEpisodeResponse(
             episode_uuid=episode_uuid, openai_base_url=f"{root}/v1", openai_api_key=key,
@@ -145,15 +163,17 @@ class EpisodeGateway:
     async def end(self, body: EndEpisodeRequest) -> EndEpisodeResponse:
         self._check_values(body)
         entry = self._live_entry(body.episode_uuid)
-        _, channel = self._target("end_episode")
-        data = await self._post_json(channel, PlanePath.END_EPISODE, body, entry=entry)
+        _, channel = self._target("end_episode", entry.run_id if entry else None)
+        data = await self._post_json(channel, PlanePath.END_EPISODE, to_json(body),
+                                     entry=entry)
         self._close(entry)
         return EndEpisodeResponse.model_validate(data)
 
     async def abort(self, body: AbortEpisodeRequest) -> dict[str, Any]:
         entry = self._live_entry(body.episode_uuid)
-        _, channel = self._target("abort_episode")
-        data = await self._post_json(channel, PlanePath.ABORT_EPISODE, body, entry=entry)
+        _, channel = self._target("abort_episode", entry.run_id if entry else None)
+        data = await self._post_json(channel, PlanePath.ABORT_EPISODE, to_json(body),
+                                     entry=entry)
         self._close(entry)
         return data
 
@@ -166,8 +186,8 @@ class EpisodeGateway:
         if entry is None or entry.ended:  # ended (or pruned) while its body was read
             raise SwarmAuthError(401, f"episode {episode_uuid} has ended",
                                  "call begin_episode for a new episode", headers=_CHALLENGE)
-        entry.last_active, entry.step = time.monotonic(), self._step()
-        _, channel = self._target("chat")
+        entry.last_active, entry.step = time.monotonic(), self._step(entry.run_id)
+        _, channel = self._target("chat", entry.run_id)
         try:
             reply = await channel.send(method, path, body,
                                        headers=(("x-episode-uuid", episode_uuid),))
@@ -212,11 +232,11 @@ class EpisodeGateway:
         For the original AgentJet's routes (`routes/original.py`), which answer with
         defaults while the engine is not serving instead of an error.
         """
-        socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
-        if socket_path is None or run_id is None:
+        run_id = self.runs.default_run_id()
+        if run_id is None or self.runs.serving_socket(run_id) is None:
             return None
         action = path.strip("/")
-        _, channel = self._target(action)
+        _, channel = self._target(action, run_id)
         body = None if method == "GET" else json.dumps(payload or {}).encode()
         try:
             reply, content = await channel.request(method, path, body)
@@ -242,11 +262,10 @@ class EpisodeGateway:
                     "use the openai_api_key returned by begin_episode on this server")
             raise SwarmAuthError(401, str(exc), hint, headers=_CHALLENGE) from exc
         entry = self._episodes.get(claims.episode_uuid)
-        current = self.engine.current_run_id()
         if entry is None or entry.run_id != claims.run_id:
             raise SwarmAuthError(401, "unknown episode for this key",
                                  "call begin_episode for a new episode", headers=_CHALLENGE)
-        if entry.run_id != current:
+        if self.runs.serving_socket(entry.run_id) is None:
             raise SwarmAuthError(
                 401,
                 f"episode {claims.episode_uuid} belongs to engine run {entry.run_id}, which is "
@@ -299,40 +318,55 @@ class EpisodeGateway:
         entry = self._episodes.get(episode_uuid)
         if entry is None:
             return None
-        current = self.engine.current_run_id()
-        if entry.run_id != current:
+        if self.runs.serving_socket(entry.run_id) is None:
             raise SwarmNotFound(
-                404, f"episode {episode_uuid} belongs to engine run {entry.run_id}; the engine now "
-                f"runs {current or 'nothing'}", "its reward cannot be used; begin a new episode")
+                404, f"episode {episode_uuid} belongs to engine run {entry.run_id}, which no "
+                f"longer serves ({self.runs.describe(entry.run_id)})",
+                "its reward cannot be used; begin a new episode")
         return entry
 
-    def _target(self, action: str) -> tuple[str, EngineChannel]:
-        socket_path, run_id = self.engine.engine_socket(), self.engine.current_run_id()
-        if socket_path is None or run_id is None:
-            state = self.engine.state
+    def _target(self, action: str, run_id: str | None) -> tuple[str, EngineChannel]:
+        """The run (`None`: the default run) and its channel, or 409 if it does not serve."""
+        wanted = run_id
+        if run_id is None:
+            run_id = self.runs.default_run_id()
+        socket_path = self.runs.serving_socket(run_id) if run_id is not None else None
+        if run_id is None or socket_path is None:
+            state = self.runs.live_state(wanted)
+            waiting = state is not None and state is not EngineState.OFFLINE
             raise EngineStateConflict(
-                409, f"engine is {state}: cannot {action}",
-                "start the engine (start_engine) and wait for ENGINE.ROLLING"
-                if state == EngineState.OFFLINE else
-                "retry in about 1 s; episodes are served once the engine is ENGINE.ROLLING",
+                409, f"{self.runs.describe(wanted)}: cannot {action}",
+                "retry in about 1 s; episodes are served once the engine is ENGINE.ROLLING"
+                if waiting else
+                "start the engine (start_engine) and wait for ENGINE.ROLLING" if wanted is None
+                else f"GET /runs/{wanted}/status says why; start a run with POST /runs",
                 retry_after_s=1)
-        if self._channel is None or self._channel_for != (run_id, socket_path):
-            if self._channel is not None:  # idle connections of the old run: close them
-                self._channel.close()
-            self._channel = EngineChannel(socket_path,
-                                          timeout_s=self.settings.engine_request_timeout_s)
-            self._channel_for = (run_id, socket_path)
-            # entries of earlier runs can never be used again
-            self._episodes = {k: e for k, e in self._episodes.items() if e.run_id == run_id}
-            self._pruned_at_step = 0
-        return run_id, self._channel
+        held = self._channels.get(run_id)
+        if held is not None and held[0] == socket_path:
+            return run_id, held[1]
+        channel = EngineChannel(self._channel_target(socket_path),
+                                timeout_s=self.settings.engine_request_timeout_s)
+        self._channels[run_id] = (socket_path, channel)
+        self._forget_ended_runs()
+        return run_id, channel
 
-    async def _post_json(self, channel: EngineChannel, path: str, body: BaseModel, *,
+    def _forget_ended_runs(self) -> None:
+        """Close the channels, and drop the entries, of runs that no longer serve: their
+        episodes can never be used again."""
+        ended = [run_id for run_id in self._channels
+                 if self.runs.serving_socket(run_id) is None]
+        for run_id in ended:
+            self._channels.pop(run_id)[1].close()  # idle connections of the old run
+            self._pruned_at_step.pop(run_id, None)
+        serving = set(self._channels)
+        self._episodes = {k: e for k, e in self._episodes.items() if e.run_id in serving}
+
+    async def _post_json(self, channel: EngineChannel, path: str, body: bytes, *,
                          entry: _Entry | None = None) -> dict[str, Any]:
         """The engine's JSON answer; its error relayed. A 404 or 409 about the episode
         of `entry` means the engine closed it (timed out, aborted): closed here too."""
         try:
-            reply, content = await channel.request("POST", path, to_json(body))
+            reply, content = await channel.request("POST", path, body)
         except ChannelError as exc:
             raise self._unreachable(path.strip("/"), exc) from exc
         if reply.status != 200:
@@ -362,33 +396,37 @@ class EpisodeGateway:
     def _unreachable(self, action: str, exc: ChannelError) -> EngineStateConflict:
         log.info("engine did not answer %s: %s", action, exc)
         return EngineStateConflict(
-            409, f"engine did not answer {action} ({exc.reason}); it is {self.engine.state}",
+            409, f"engine did not answer {action} ({exc.reason}); {self.runs.describe(None)}",
             "check get_engine_status; retry once the engine is ENGINE.ROLLING",
             retry_after_s=1)
 
-    def _step(self) -> int:
-        step = self.engine.current_step() or 0
-        if step > self._pruned_at_step:
-            self._pruned_at_step = step
-            self._prune(step)
+    def _step(self, run_id: str) -> int:
+        step = self.runs.run_step(run_id) or 0
+        if step > self._pruned_at_step.get(run_id, 0):
+            self._pruned_at_step[run_id] = step
+            self._prune(run_id, step)
         return step
 
     def _close(self, entry: _Entry | None) -> None:
         if entry is not None:
-            entry.ended, entry.last_active, entry.step = True, time.monotonic(), self._step()
+            entry.ended, entry.last_active = True, time.monotonic()
+            entry.step = self._step(entry.run_id)
 
-    def _prune(self, step: int) -> None:
-        """Drop closed entries whose batch was trained, and entries whose key expired."""
+    def _prune(self, run_id: str, step: int) -> None:
+        """Drop the run's closed entries whose batch was trained, and any entry whose key
+        expired."""
         now, wall = time.monotonic(), time.time()
-        self._episodes = {k: e for k, e in self._episodes.items()
-                          if not ((e.step < step and e.closed(now)) or e.expires_at <= wall)}
+        self._episodes = {
+            k: e for k, e in self._episodes.items()
+            if not ((e.run_id == run_id and e.step < step and e.closed(now))
+                    or e.expires_at <= wall)}
 
-    def _make_room(self) -> None:
+    def _make_room(self, run_id: str) -> None:
         """Keep the table under `max_gateway_episodes` before a begin adds to it."""
         limit = self.settings.max_gateway_episodes
         if len(self._episodes) < limit:
             return
-        self._prune(self._step() + 1)  # full: closed entries go even from this batch
+        self._prune(run_id, self._step(run_id) + 1)  # full: closed entries go even now
         if len(self._episodes) < limit:
             log.warning("episode gateway table full (%d): dropped closed entries of the "
                         "current batch", limit)

@@ -91,10 +91,19 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE runs ADD COLUMN resume_step INTEGER;
     ALTER TABLE runs ADD COLUMN last_checkpoint TEXT;
     """,
+    # 3 -> 4: concurrent runs: a run's name, whether start_engine started it, its devices
+    """
+    ALTER TABLE runs ADD COLUMN name TEXT;
+    ALTER TABLE runs ADD COLUMN default_run INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE runs ADD COLUMN devices_json TEXT NOT NULL DEFAULT '[]';
+    CREATE INDEX runs_name ON runs (name);
+    """,
 ]
 
-#: Run statuses. `booting`/`running` are open; `ended`/`failed` are final.
+#: Run statuses. `booting`/`running` are open; `ended`/`failed` are final. `queued` (a
+#: run of POST /runs waiting for devices) is active but has no process to reconcile.
 OPEN_RUN_STATUSES = ("booting", "running")
+ACTIVE_RUN_STATUSES = ("queued", *OPEN_RUN_STATUSES)
 
 
 @dataclass
@@ -135,6 +144,12 @@ class RunRecord:
     resume_step: int | None = None
     #: the run's last complete checkpoint directory (written at its end)
     last_checkpoint: str | None = None
+    #: the name given at POST /runs (None for start_engine's runs)
+    name: str | None = None
+    #: started by start_engine (the single-engine surface) rather than POST /runs
+    default_run: bool = True
+    #: the device slots it held (GPU indices on a GPU host)
+    devices: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -160,7 +175,8 @@ class AuditRecord:
     detail: dict[str, Any]
 
 
-_RUN_COLUMNS = {f for f in RunRecord.__dataclass_fields__ if f != "summary"} | {"summary_json"}
+_RUN_COLUMNS = ({f for f in RunRecord.__dataclass_fields__ if f not in ("summary", "devices")}
+                | {"summary_json", "devices_json"})
 
 
 class LedgerUnusable(StartupRefused):
@@ -309,6 +325,7 @@ class Ledger:
     def create_run(self, rec: RunRecord) -> None:
         data = asdict(rec)
         data["summary_json"] = json.dumps(data.pop("summary"))
+        data["devices_json"] = json.dumps(data.pop("devices"))
         cols = ", ".join(data)
         marks = ", ".join("?" for _ in data)
         with self._lock:
@@ -317,6 +334,8 @@ class Ledger:
     def update_run(self, run_id: str, **fields: Any) -> None:
         if "summary" in fields:
             fields["summary_json"] = json.dumps(fields.pop("summary"))
+        if "devices" in fields:
+            fields["devices_json"] = json.dumps(fields.pop("devices"))
         unknown = set(fields) - _RUN_COLUMNS
         if unknown:
             raise ValueError(f"unknown run fields: {sorted(unknown)}")
@@ -332,15 +351,23 @@ class Ledger:
         return _run(row) if row else None
 
     def list_runs(self, *, experiment_name: str | None = None, status: str | None = None,
+                  statuses: Sequence[str] | None = None, name: str | None = None,
                   offset: int = 0, limit: int = 20) -> tuple[list[RunRecord], int]:
         """Newest first, with the total count matching the filters."""
-        where, args = [], []
+        where: list[str] = []
+        args: list[Any] = []
         if experiment_name:
             where.append("experiment_name = ?")
             args.append(experiment_name)
         if status:
             where.append("status = ?")
             args.append(status)
+        if statuses:
+            where.append(f"status IN ({', '.join('?' for _ in statuses)})")
+            args.extend(statuses)
+        if name:
+            where.append("name = ?")
+            args.append(name)
         clause = f"WHERE {' AND '.join(where)}" if where else ""
         with self._lock:
             total = self._db.execute(f"SELECT COUNT(*) FROM runs {clause}", args).fetchone()[0]
@@ -465,4 +492,6 @@ def _snapshot(row: sqlite3.Row) -> SnapshotRecord:
 def _run(row: sqlite3.Row) -> RunRecord:
     data = dict(row)
     data["summary"] = json.loads(data.pop("summary_json") or "{}")
+    data["devices"] = json.loads(data.pop("devices_json") or "[]")
+    data["default_run"] = bool(data["default_run"])
     return RunRecord(**data)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -20,6 +21,7 @@ from swarm_server.approvals import Approvals
 
 from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
+from swarm_server.devices import DevicePool
 from swarm_server.engine_user import resolve_engine_user
 from swarm_server.episode_lane import EpisodeLane
 from swarm_server.episodes import EpisodeGateway
@@ -27,6 +29,7 @@ from swarm_server.errors import StartupRefused, install_error_handlers
 from swarm_server.ledger import Ledger, LedgerUnusable, check_ledger_file, set_ledger_aside
 from swarm_server.limits import LIMIT_RESPONSES, LimitsMiddleware
 from swarm_server.routes import approvals, code, control, docs, episodes, original, runs
+from swarm_server.run_pool import RunPool
 from swarm_server.server_code import ServerCode
 from swarm_server.ui import SessionStore
 from swarm_server.ui.sessions import SignInThrottle
@@ -34,6 +37,9 @@ from swarm_server.ui.routes import router as console_router
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 from swarm_server.workdir import prepare_workdir
+
+if TYPE_CHECKING:
+    from swarm_server.launchers.ray_launcher import RaySpawner
 
 __all__ = ["build_context", "create_app"]
 
@@ -56,12 +62,40 @@ def build_context(settings: Settings) -> ServerContext:
     if engine_user is not None:
         snapshots.share = engine_user.share_snapshot
     gate = Approvals(settings, ledger, snapshots, ServerCode(Path(ajet.__file__).parent))
-    snapshots.pinned = gate.pending_ids  # GC never removes a snapshot pending review
+    launcher = _launcher(settings, engine_user)
+    # under Ray, Ray's placement groups hand out the devices; locally, the pool does
+    devices = (DevicePool.for_ray() if launcher is not None
+               else DevicePool.for_host(settings.devices))
+    log.info("device slots: %d %s (%s)", devices.total, devices.kind,
+             ",".join(map(str, devices.slots)))
     engine = EngineController(settings, ledger, snapshots, approvals=gate,
-                              engine_user=engine_user)
-    gateway = EpisodeGateway(settings, engine)
+                              engine_user=engine_user, devices=devices,
+                              spawner=launcher, probe=launcher.probe if launcher else None)
+    pool = RunPool(settings, ledger, snapshots, gate, engine, devices, engine_user=engine_user)
+    # GC never removes a snapshot pending review, nor one a run uses or waits for
+    snapshots.pinned = lambda: gate.pending_ids() | pool.active_snapshot_ids()
+    gateway = EpisodeGateway(settings, pool,
+                             channel_target=launcher.channel_target if launcher else None)
     return ServerContext(settings=settings, ledger=ledger, snapshots=snapshots, engine=engine,
-                         episodes=gateway, approvals=gate)
+                         runs=pool, episodes=gateway, approvals=gate)
+
+
+def _launcher(settings: Settings, engine_user: object | None) -> RaySpawner | None:
+    """The Ray launcher under `--launcher ray` (None: the local one, the controller's
+    default); refused at start when Ray is missing or its cluster unreachable."""
+    if settings.launcher != "ray":
+        return None
+    if engine_user is not None:
+        raise StartupRefused("--engine-user does not apply under --launcher ray: the ranks "
+                             "run as the Ray cluster's user; leave --engine-user unset")
+    from swarm_server.launchers.ray_launcher import RaySpawner  # the `ray` extra
+
+    try:
+        spawner = RaySpawner.connect(settings)
+    except OSError as exc:
+        raise StartupRefused(str(exc)) from exc
+    spawner.stop_strays()  # a killed server's runs: recover() then closes their rows
+    return spawner
 
 
 def open_ledger_path(settings: Settings) -> Path:
@@ -103,7 +137,7 @@ def create_app(settings: Settings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         ctx.snapshots.recover()
-        ctx.engine.recover()
+        ctx.runs.recover()
         log.info("swarm server ready on %s:%s (workdir %s); approvals %s", settings.host,
                  settings.port, settings.workdir,
                  f"enforced ({len(settings.approvers)} approver(s))"
@@ -112,7 +146,7 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             await ctx.episodes.aclose()
-            ctx.engine.shutdown()
+            ctx.runs.shutdown()
             ctx.ledger.close()
 
     app = FastAPI(

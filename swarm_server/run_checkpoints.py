@@ -5,21 +5,26 @@ first as `<name>.partial` and renamed once complete, with an `ajet_checkpoint.js
 (step, run id). The server reads only those files (it never imports the engine): to
 name a run's last complete checkpoint in the ledger, to tell a stop that a save is in
 progress, and to turn `resume_from` (a run id, `latest`, or a checkpoint directory of one
-of this server's runs) into the checkpoint directory the engine restores.
+of this server's runs) into the checkpoint directory the engine restores. Once a run's
+engine is gone, a `.partial` folder is what a SIGKILL cut short: `discard_partials`
+removes it (it can never be loaded, and a large model's is tens of GB), saying so in
+the server's log and the run's `engine.log`, with the checkpoint that stands instead.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ajet.errors import SwarmValidationError
 from swarm_server.ledger import Ledger
 
-__all__ = ["Checkpoint", "ResumePoint", "complete_checkpoints", "last_checkpoint",
-           "resolve_resume", "saves_in_progress"]
+__all__ = ["Checkpoint", "ResumePoint", "complete_checkpoints", "discard_partials",
+           "last_checkpoint", "resolve_resume", "saves_in_progress"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +87,29 @@ def saves_in_progress(run_dir: Path) -> list[str]:
         names += [p for p in folder.iterdir()
                   if p.name.endswith(PARTIAL_SUFFIX) and p.is_dir()]
     return sorted(str(p.relative_to(run_dir)).removesuffix(PARTIAL_SUFFIX) for p in names)
+
+
+def discard_partials(run_dir: Path, *, run_id: str) -> list[str]:
+    """Remove the `.partial` checkpoints of a run whose engine has exited (nothing writes
+    them any more); returns their names, relative to the run. Call only once the run's
+    processes are gone."""
+    names = saves_in_progress(run_dir)
+    if not names:
+        return []
+    last = last_checkpoint(run_dir)
+    stands = (f"the last complete checkpoint is {last.path} (step {last.step})" if last
+              else "the run has no complete checkpoint")
+    for name in names:
+        shutil.rmtree(run_dir / f"{name}{PARTIAL_SUFFIX}", ignore_errors=True)
+    line = (f"removed incomplete checkpoint(s) {', '.join(names)} ({PARTIAL_SUFFIX}: the "
+            f"engine was stopped while writing them); {stands}")
+    log.warning("run %s: %s", run_id, line)
+    try:
+        with open(run_dir / "engine.log", "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} [server] {line}\n")
+    except OSError as exc:  # the server's log has it; the run's log is a courtesy
+        log.warning("run %s: could not note it in engine.log: %s", run_id, exc)
+    return names
 
 
 def resolve_resume(value: str, *, ledger: Ledger, experiment_name: str,

@@ -116,6 +116,32 @@ class Settings(BaseSettings):
                     "ledger file is empty or unreadable, moving the old file aside; without "
                     "it such a ledger stops the server at start")
 
+    # where runs are placed (docs/distributed.md)
+    launcher: Literal["local", "ray"] = Field(
+        default="local",
+        description="AJET_SWARM_LAUNCHER (`--launcher`): `local` runs the engine on this "
+                    "machine; `ray` places each run on a Ray cluster as one Ray job "
+                    "(the `ray` extra; swarm_server/launchers/ray_launcher.py)")
+    ray_address: str = Field(
+        default="http://127.0.0.1:8265", min_length=1, max_length=2000,
+        description="AJET_SWARM_RAY_ADDRESS (`--ray-address`): the Ray cluster's Jobs API "
+                    "(its dashboard address); Ray's token authentication, where the cluster "
+                    "uses it, is read by Ray's client from the server's environment")
+    ray_placement_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600,
+        description="AJET_SWARM_RAY_PLACEMENT_TIMEOUT_S: how long a run's placement group "
+                    "may wait for the cluster once the free resources fit; past it the start "
+                    "is refused with what Ray reports free")
+    ray_submit_timeout_s: float = Field(
+        default=180.0, gt=0, le=3600,
+        description="AJET_SWARM_RAY_SUBMIT_TIMEOUT_S: from submitting a run's Ray job to its "
+                    "placement (Ray sets up the job's runtime_env: uploads and unpacks the "
+                    "code)")
+    ray_cpus_per_gpu: float = Field(
+        default=1.0, ge=0, le=1024,
+        description="AJET_SWARM_RAY_CPUS_PER_GPU: CPUs a GPU run's bundle reserves per GPU "
+                    "besides the GPU (a CPU run reserves its n_proc CPUs per node)")
+
     # engine lifecycle
     engine_env: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -147,6 +173,12 @@ class Settings(BaseSettings):
     max_stop_grace_s: float = Field(
         default=1800.0, ge=0,
         description="AJET_SWARM_MAX_STOP_GRACE_S: the most a job's stop_grace_s may ask")
+    devices: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="AJET_SWARM_DEVICES (`--devices N`): device slots for concurrent runs. "
+                    "On a GPU host, the first N visible GPUs (default: all of them); on a CPU "
+                    "host, N slots that runs take one per process (default: the CPU count); "
+                    "swarm_server/devices.py")
     #: the largest checkpoint GET /runs/{id}/checkpoints/{name}/archive sends
     max_checkpoint_archive_bytes: int = Field(default=256 * 1024 * MiB, gt=0)
     #: where the engines' MLflow tracker writes (logging: mlflow); None: <workdir>/mlflow.db

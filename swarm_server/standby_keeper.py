@@ -51,7 +51,10 @@ STANDBY_META_KEY = "standby_process"
 #: The program the standby runs (standard library only, so any engine interpreter runs it).
 STANDBY_SCRIPT = Path(__file__).resolve().with_name("standby.py")
 #: Set per start from the order, not at interpreter start: the standby applies them itself.
-_PER_START_ENV = frozenset({"PYTHONPATH", "ISOLATED_AGENTJET_BASE_DIR"})
+#: The run's device slots are among them: importing torch does not initialise CUDA, which
+#: reads CUDA_VISIBLE_DEVICES only when the engine first touches a GPU.
+_PER_START_ENV = frozenset({"PYTHONPATH", "ISOLATED_AGENTJET_BASE_DIR",
+                            "CUDA_VISIBLE_DEVICES", "AJET_ENGINE_DEVICE_SLOTS"})
 #: An idle standby dies at once on SIGTERM; this only bounds a standby caught mid-import.
 _STOP_GRACE_S = 2.0
 

@@ -30,6 +30,7 @@ import psutil
 from pydantic import ValidationError
 
 from ajet.protocol import EngineReport
+from swarm_server.engine_channel import TcpEndpoint
 from swarm_server.settings import SECRET_ENV_PREFIXES, Settings
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ __all__ = [
     "ProbeFactory",
     "ProcessHandle",
     "SocketProbe",
+    "TcpProbe",
     "CHILD_ENV_NAMES",
     "CHILD_ENV_PREFIXES",
     "SpawnSpec",
@@ -98,6 +100,8 @@ class ProcessHandle:
     returncode: int | None = None  # negative = killed by that signal; None = unknown
     exited: bool = False
     native: Any = field(default=None, repr=False)  # Popen, FakeProcess, or None if adopted
+    #: the launcher's word on how it ended (which node and rank), where it has one
+    detail: str | None = None
 
 
 class Spawner(Protocol):
@@ -365,6 +369,32 @@ class SocketProbe:
 
     def close(self) -> None:
         self._conn.close()
+
+
+class TcpProbe(SocketProbe):
+    """`GET /status` on rank 0's TCP channel (another machine), with the run's bearer token."""
+
+    def __init__(self, endpoint: TcpEndpoint, *, timeout: float = 2.0) -> None:
+        self._conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=timeout)
+        self._headers = {"Host": "engine", "Authorization": f"Bearer {endpoint.token}"}
+
+    def get_report(self) -> EngineReport | None:
+        try:
+            self._conn.request("GET", "/status", headers=self._headers)
+            response = self._conn.getresponse()
+            content = response.read()
+        except (OSError, http.client.HTTPException):
+            self._conn.close()
+            return None
+        if response.status != 200:
+            if response.status == 401:
+                log.warning("the engine's TCP channel refused the run's token")
+            return None
+        try:
+            return EngineReport.model_validate_json(content)
+        except ValidationError as exc:
+            log.warning("engine answered /status with an invalid report: %s", exc)
+            return None
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):

@@ -172,6 +172,13 @@ class AgentJetJob(BaseModel):
     seed: int = Field(default_factory=_d("seed"), ge=0)
     save_every: int = Field(default_factory=_d("save_every"), ge=0,
                             description=f"Checkpoint every N steps; 0 = only at stop. {BY_MODEL}")
+    async_save: bool | Literal["auto"] = Field(
+        default_factory=_d("async_save"),
+        description="Write each step checkpoint in the background while training goes on "
+                    "(torch.distributed.checkpoint.async_save); training waits only while "
+                    "the state is copied to host memory. false: written before the next "
+                    "step; 'auto' = on with GPUs, off on the CPU (the writer would share "
+                    "the update's cores)")
     max_steps: int = Field(
         default_factory=_d("max_steps"), ge=0,
         validation_alias=AliasChoices("max_steps", "total_training_steps"),
@@ -397,8 +404,8 @@ class AgentJetJob(BaseModel):
                 f"{self.max_model_len}")
         if self.node_rank >= self.nnodes:
             raise ValueError("node_rank must be smaller than nnodes")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
-            raise ValueError("rdzv_endpoint (host:port) is required when nnodes > 1")
+        # rdzv_endpoint for nnodes > 1 is the server's rule: its launcher decides (the
+        # local one needs it, the Ray launcher refuses it), swarm_server/config_check.py
         if not self.swarm_mode:
             raise ValueError("swarm_mode=False is not supported: this server trains in swarm "
                              "mode only (rollouts come from clients); leave swarm_mode unset")

@@ -95,6 +95,7 @@ class EngineConfig:
     temperature: float
     top_p: float
     save_every: int
+    async_save: bool
     max_steps: int
     episode_timeout_s: float
     gpu_memory_utilization: float
@@ -194,6 +195,7 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         temperature=job.temperature,
         top_p=job.top_p,
         save_every=job.save_every,
+        async_save=on_gpu if job.async_save == "auto" else bool(job.async_save),
         max_steps=job.max_steps,
         episode_timeout_s=job.episode_timeout_s,
         gpu_memory_utilization=job.gpu_memory_utilization,

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the engine's heavy modules load in _run, after the snapshot path is set
     from ajet.copilot.job import AgentJetJob
@@ -52,6 +52,8 @@ log = logging.getLogger("ajet.engine")
 #: and unmaps pages inside one growing segment instead of keeping fixed-size blocks, so
 #: freed memory is not stranded in fragments (torch's `expandable_segments`).
 CUDA_ALLOC_CONF = "expandable_segments:True"
+#: The private channel's bearer token under `--channel-host` (set by the launcher).
+CHANNEL_TOKEN_ENV = "AJET_ENGINE_CHANNEL_TOKEN"
 
 
 def allocator_conf(current: str | None) -> str:
@@ -71,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="metrics.jsonl, checkpoints/ and final/ go here")
     p.add_argument("--socket", type=Path, default=None,
                    help="Unix socket of the private channel (default <run-dir>/engine.sock)")
+    p.add_argument("--channel-host", default=None,
+                   help="serve the private channel on a TCP port of this address instead of "
+                        "the Unix socket (a launcher whose server is on another machine); "
+                        f"every request must carry the bearer token in ${CHANNEL_TOKEN_ENV}")
+    p.add_argument("--channel-address-file", type=Path, default=None,
+                   help="with --channel-host: where the bound host:port is written (JSON)")
     p.add_argument("--run-id", default=None, help="the run id the server assigned")
     p.add_argument("--workdir", type=Path, default=Path.cwd(),
                    help="the server's work directory (ajet-tiny is built under models/)")
@@ -91,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     where = f" [rank {rank}]" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s")
+    # httpx logs every request at INFO: rank 0's calls to ranks on other nodes (TCP)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     stop = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -179,9 +189,7 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
                              ajet_file=ajet_file, snapshot_id=code_id,
                              info={"experiment_name": cfg.experiment_name, "model": cfg.model,
                                    "device": cfg.device})
-        channel = ChannelServer(create_channel_app(plane),
-                                args.socket or run_dir / "engine.sock")
-        channel.start()
+        channel = _open_channel(args, create_channel_app(plane), run_dir)
     local: Generator | None = None  # this rank's generator
     served: RankService | None = None  # ranks > 0: it, served to rank 0
     routed: Generator | None = None  # rank 0 under torchrun: the router over every rank
@@ -267,6 +275,34 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
             dist.close()
     log.info("engine stopped cleanly")
     return 0
+
+
+def _open_channel(args: argparse.Namespace, app: Any, run_dir: Path) -> Any:
+    """Rank 0's private channel, started: the Unix socket, or with `--channel-host` a TCP
+    port that answers only requests bearing the launcher's token (the same app, so the
+    same bounds); its address goes to `--channel-address-file` for the launcher."""
+    from ajet.engine.transport.unix_server import BearerGuard, ChannelServer
+
+    if args.channel_host is None:
+        channel = ChannelServer(app, args.socket or run_dir / "engine.sock")
+        channel.start()
+        return channel
+    # popped: code this process starts (a tracker, a reward's subprocess) never sees it
+    token = os.environ.pop(CHANNEL_TOKEN_ENV, "")
+    if len(token) < 16:
+        raise RuntimeError(f"--channel-host needs a bearer token of 16+ characters in "
+                           f"${CHANNEL_TOKEN_ENV}")
+    channel = ChannelServer(BearerGuard(app, token), tcp_host=args.channel_host)
+    channel.start()
+    if args.channel_address_file is not None and channel.tcp_address is not None:
+        host, port = channel.tcp_address
+        target = args.channel_address_file
+        partial = target.with_name(target.name + ".partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"host": host, "port": port}, f)
+        os.replace(partial, target)  # whole or absent: the launcher polls for it
+    return channel
 
 
 def load_engine_config(path: Path, *, cuda_devices: int, cpu_count: int

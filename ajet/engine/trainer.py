@@ -9,20 +9,26 @@ One step, top to bottom (docs/internals.md):
     WEIGHT_SYNCING  take the `batch_size` oldest complete groups -> rewards ->
                     advantages -> timelines (samples) -> update over ppo_epochs (generation paused: every
                     rank's generator resumes on the new weights with a fresh KV cache)
-                    -> samples file -> metrics line -> checkpoint
+                    -> samples file -> metrics line -> checkpoint (begun: written in the background)
     (back to ROLLING)
 
+Checkpoints are written in the background with the job's `async_save` (the default with GPUs):
+the step loop waits only while the state is taken from the live model (gathered and
+staged in host memory, `checkpoints.begin_checkpoint`), and at most one save is in
+flight: the next one, and the stop, first wait for it.
+
 A stop request (SIGTERM) abandons a step that is still collecting or draining and
-lets an update that has begun finish; the caller then calls `finish`, which writes the
-final checkpoint (or, when the last step was just saved, makes `final/` hard links to
-that checkpoint's files instead of writing the same state twice). A resumed run (`start_step` > 0)
+lets an update that has begun finish; the caller then calls `finish`, which waits for a
+checkpoint still being written (and logs that it does), then writes the final
+checkpoint (or, when the last step was just saved, makes `final/` hard links to that
+checkpoint's files instead of writing the same state twice). A resumed run (`start_step` > 0)
 counts its steps on from the checkpoint's; `max_steps` counts from the first run.
 
 `train` runs on the process that owns the episode plane (rank 0). Under torchrun the
 other ranks run `follow`: rank 0 broadcasts each command, ("train", batch), ("save",
-(checkpoint name, step)) or ("stop", None), over the CPU control group (never NCCL: a
+(checkpoint name, step, in the background or not)) or ("stop", None), over the CPU control group (never NCCL: a
 follower waits there through the whole rollout while its own generator runs), and they
-call the same `Learner.update` on their share, or the same `save_checkpoint`, until
+call the same `Learner.update` on their share, or the same `begin_checkpoint`, until
 "stop". The update and the checkpoint are where the ranks meet (FSDP's all-gathers and
 reduce-scatters, the metric sums, the gathered checkpoint), so every rank must run each
 of them, even an update whose groups all went to other ranks.
@@ -44,8 +50,9 @@ from ajet.engine import trajectory
 from ajet.engine.advantages import grpo_advantages
 from ajet.engine.checkpoints import (
     CHECKPOINT_FILE,
+    PendingSave,
+    begin_checkpoint,
     link_checkpoint,
-    save_checkpoint,
     step_checkpoint_dir,
 )
 from ajet.engine.config import EngineConfig
@@ -60,7 +67,7 @@ from ajet.engine.rewards import process_rewards
 from ajet.protocol import EngineState
 
 __all__ = ["SAMPLES_DIR", "BatchSamples", "TrainerParts", "build_samples", "checkpoint",
-           "finish", "follow", "train", "write_samples"]
+           "finish", "follow", "train", "wait_for_save", "write_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +96,8 @@ class TrainerParts:
     memory: PeakMemory | None = None
     #: steps already done: the step of the checkpoint a resumed run started from
     start_step: int = 0
+    #: the checkpoint being written in the background, if any
+    pending: PendingSave | None = None
 
 
 @dataclass
@@ -207,26 +216,49 @@ def train(parts: TrainerParts) -> int:
         log.info("step %d: reward %.3f, loss %.4f, %d episodes, %.2f s", step,
                  line["reward_mean"], line["loss"], line["episodes"], line["step_time_s"])
         if cfg.save_every and step % cfg.save_every == 0:
-            checkpoint(parts, step_checkpoint_dir(parts.run_dir, step), step)
+            checkpoint(parts, step_checkpoint_dir(parts.run_dir, step), step,
+                       background=cfg.async_save)
+        elif parts.pending is not None and parts.pending.done():
+            wait_for_save(parts)  # a save that failed fails the run now, not at the stop
     registry.set_state(EngineState.ROLLING_POST, step=step)  # no claims while shutting down
     return step
 
 
-def checkpoint(parts: TrainerParts, target: Path, step: int) -> None:
-    """Rank 0: have every rank save the checkpoint `target` (inside the run directory)."""
-    parts.dist.broadcast(("save", (str(target.relative_to(parts.run_dir)), step)))
-    save_checkpoint(parts.learner, target, step=step, run_id=parts.run_id)
+def checkpoint(parts: TrainerParts, target: Path, step: int, *,
+               background: bool = False) -> None:
+    """Rank 0: have every rank save the checkpoint `target` (inside the run directory),
+    after the one still being written, if any."""
+    wait_for_save(parts)
+    parts.dist.broadcast(("save", (str(target.relative_to(parts.run_dir)), step,
+                                   background)))
+    parts.pending = begin_checkpoint(parts.learner, target, step=step, run_id=parts.run_id,
+                                     background=background)
+
+
+def wait_for_save(parts: TrainerParts, *, why: str = "") -> None:
+    """Rank 0: wait until the checkpoint being written (if any) is complete."""
+    pending, parts.pending = parts.pending, None
+    if pending is None:
+        return
+    if why and not pending.done():
+        log.info("%s: waiting for checkpoint %s (step %d, begun %.1f s ago) to be "
+                 "written", why, pending.target, pending.step,
+                 time.monotonic() - pending.started)
+    pending.wait()
 
 
 def finish(parts: TrainerParts, steps: int) -> None:
-    """Rank 0, after `train`: the final checkpoint, then the other ranks stop."""
+    """Rank 0, after `train`: the checkpoint being written completes, the final
+    checkpoint is written, then the other ranks stop."""
+    wait_for_save(parts, why="stopping")
     final, last = parts.run_dir / "final", step_checkpoint_dir(parts.run_dir, steps)
     if steps > parts.start_step and (last / CHECKPOINT_FILE).is_file():
         # the last step was saved a moment ago: final/ is that checkpoint, not a copy
         link_checkpoint(last, final)
         log.info("final checkpoint: step %d, the files of %s", steps, last)
     else:
-        checkpoint(parts, final, steps)
+        checkpoint(parts, final, steps)  # written before the process exits
+        wait_for_save(parts)
     parts.dist.broadcast(("stop", None))
 
 
@@ -234,14 +266,20 @@ def follow(learner: Learner, dist: Dist, *, run_dir: Path, run_id: str | None,
            generator: Generator | None = None) -> int:
     """Ranks other than 0: run each command rank 0 sends, until it says stop."""
     steps = 0
+    pending: PendingSave | None = None
     while True:
         command, payload = dist.broadcast(None)
         if command == "stop":
+            if pending is not None:
+                pending.wait()  # rank 0 waited for it too before it said stop
             return steps
         if command == "save":
             # the name is relative: each node resolves it in its own run directory
-            name, step = payload
-            save_checkpoint(learner, run_dir / name, step=step, run_id=run_id)
+            name, step, background = payload
+            if pending is not None:
+                pending.wait()  # one save at a time, as on rank 0
+            pending = begin_checkpoint(learner, run_dir / name, step=step, run_id=run_id,
+                                       background=background)
             continue
         with _generation_paused(generator):
             learner.update(payload)

@@ -29,7 +29,6 @@ from ajet.protocol import (
     ApprovalDecisionPublic,
     ApprovalDecisionRequest,
     ApprovalsPage,
-    EngineState,
     ErrorBody,
     ReviewPage,
 )
@@ -116,14 +115,15 @@ def decide(ctx: ServerContext, rec: SnapshotRecord, decision: str, *, approver: 
         ctx.ledger.audit(action, f"approver:{approver}", f"refused: {str(detail)[:300]}",
                          {"snapshot_id": rec.id})
         raise
-    stop = set(reopened) | ({rec.id} if decision == "revoked" else set())
-    status = ctx.engine.status()
-    if status.snapshot_id in stop and status.state is not EngineState.OFFLINE:
-        why = (f"approval of snapshot {rec.id[:12]} revoked by {approver}"
-               if status.snapshot_id == rec.id else
-               f"the approval of snapshot {str(status.snapshot_id)[:12]} rested on snapshot "
-               f"{rec.id[:12]}, {decision} by {approver}")
-        ctx.engine.stop(role=f"approver:{approver}", reason=why)
+    if decision in ("revoked", "denied") or reopened:
+        def why(snapshot_id: str) -> str:
+            return (f"approval of snapshot {rec.id[:12]} revoked by {approver}"
+                    if snapshot_id == rec.id else
+                    f"the approval of snapshot {snapshot_id[:12]} rested on snapshot "
+                    f"{rec.id[:12]}, {decision} by {approver}")
+
+        # every run on a snapshot that may no longer run: the default one and POST /runs'
+        ctx.runs.stop_unrunnable(role=f"approver:{approver}", why=why)
     return result
 
 

@@ -1,6 +1,10 @@
-"""Routes: the runs ledger (list, one run, metrics, logs, checkpoints) and the audit log.
+"""Routes: runs (start several at once, stop, status), the runs ledger (list, one run,
+metrics, logs, checkpoints) and the audit log.
 
-`current` as a run id means the engine's current run, or the last run if none is live.
+A run is named by its id, by the name it was started with (the active run of that name,
+else the newest), or `current`: the default run's engine (the one `start_engine` drives),
+or the last run if none is live. `POST /runs` starts a run beside the others, on its own
+snapshot, job and devices (`swarm_server.run_pool`); it may wait in a queue.
 Metrics and logs are read from the run directory on every request, so they stay
 available after the run (and the server) ended. A run's checkpoints are listed, hashed
 and handed out as a tar (`swarm_server/checkpoint_files.py`) with the control token:
@@ -33,6 +37,10 @@ from ajet.protocol import (
     Provenance,
     RunPublic,
     RunsPage,
+    EngineStatus,
+    StartRunRequest,
+    StopEngineRequest,
+    StopEngineResponse,
     SamplePublic,
     SamplesPage,
 )
@@ -47,7 +55,8 @@ from swarm_server.context import ServerContext
 from swarm_server.checkpoint_files import TarLayout, checkpoint_dir, checkpoint_manifest, \
     list_checkpoints
 from swarm_server.deps import ControlAuth, Ctx, ReaderAuth
-from swarm_server.ledger import OPEN_RUN_STATUSES, RunRecord
+from swarm_server.ledger import ACTIVE_RUN_STATUSES, OPEN_RUN_STATUSES, RunRecord
+from swarm_server.run_checkpoints import last_checkpoint
 from swarm_server.run_files import (
     LogPattern,
     LogSearchTimeout,
@@ -69,7 +78,6 @@ router = APIRouter(tags=["runs"])
 
 #: A regex `grep` longer than this is refused (keeps pathological patterns small).
 MAX_REGEX_CHARS = 200
-CURRENT = "current"
 #: Paging offsets stay far inside SQLite's 64-bit integers (a larger one was a 500).
 MAX_OFFSET = 1_000_000_000
 #: A samples page: at most this many samples, and about this many bytes of them.
@@ -81,22 +89,68 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorBody, "description": "No such run"},
 }
 RunId = Annotated[str, Path(max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
-                            description="A run id, or 'current' (the live or last run)")]
+                            description="A run id, a run's name, or 'current' (the default "
+                                        "run's live or last run)")]
+#: `GET /runs?state=`: the statuses each state word covers.
+_STATE_STATUSES: dict[str, tuple[str, ...]] = {
+    "active": ACTIVE_RUN_STATUSES, "ended": ("ended", "failed"),
+}
+_START_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    403: {"model": ErrorBody, "description": "The worker token cannot start or stop runs"},
+    409: {"model": ErrorBody, "description": "Approval pending, name taken, no config, or "
+                                             "the devices can never hold it; see `hint`"},
+    422: {"model": ErrorBody, "description": "Invalid job; `detail` names the fields"},
+}
 
 
 @router.get("/runs", responses=_ERRORS)
 def list_runs(
     ctx: Ctx, _: ReaderAuth,
     experiment_name: Annotated[str | None, Query(max_length=200)] = None,
-    status: Literal["booting", "running", "ended", "failed"] | None = None,
+    status: Literal["queued", "booting", "running", "ended", "failed"] | None = None,
+    state: Annotated[Literal["active", "ended", "all"], Query(
+        description="active: queued, booting or running; ended: ended or failed")] = "all",
+    name: Annotated[str | None, Query(max_length=64)] = None,
     offset: Annotated[int, Query(ge=0, le=MAX_OFFSET)] = 0,
     limit: Annotated[int, Query(ge=1, le=200)] = 20,
 ) -> RunsPage:
-    """Runs, newest first, optionally filtered by experiment name and status."""
+    """Runs, newest first, optionally filtered by experiment name, status, state and name;
+    with the server's device slots and who holds them."""
     records, total = ctx.ledger.list_runs(experiment_name=experiment_name, status=status,
+                                          statuses=_STATE_STATUSES.get(state), name=name,
                                           offset=offset, limit=limit)
     return RunsPage(runs=[_public(ctx, r, full=False) for r in records], total=total,
-                    offset=offset, limit=limit)
+                    offset=offset, limit=limit, devices=ctx.runs.devices_status())
+
+
+@router.post("/runs", responses=_START_ERRORS)
+def start_run(body: StartRunRequest, ctx: Ctx, role: ControlAuth) -> RunPublic:
+    """Start a run beside the ones already running: on a snapshot (default: the active
+    one) and a job (default: the stored config), on device slots of its own.
+
+    Returns at once: `booting` with its devices, or `queued` with its position while the
+    devices it needs are busy (`queue: false` refuses instead). Follow it with
+    `GET /runs/{id}/status`; begin its episodes with `begin_episode(run_id=...)`.
+    """
+    run_id = ctx.runs.start(body, role=role)
+    return _public(ctx, _resolve(ctx, run_id), full=False)
+
+
+@router.post("/runs/{run_id}/stop", responses=_START_ERRORS)
+def stop_run(ctx: Ctx, role: ControlAuth, run_id: RunId,
+             body: StopEngineRequest | None = None) -> StopEngineResponse:
+    """Stop one run (TERM, grace, KILL), or take a queued one out of the queue.
+    Idempotent; the other runs go on."""
+    return ctx.runs.stop(run_id, role=role,
+                         reason=body.reason if body else "stopped by request")
+
+
+@router.get("/runs/{run_id}/status", responses=_ERRORS)
+def get_run_status(ctx: Ctx, _: ReaderAuth, run_id: RunId) -> EngineStatus:
+    """One run's engine status: its own state, step, devices and `last_error` (or its
+    place in the queue)."""
+    return ctx.runs.status(run_id)
 
 
 @router.get("/runs/{run_id}", responses=_ERRORS)
@@ -233,23 +287,26 @@ def get_audit(
 
 
 def _resolve(ctx: ServerContext, run_id: str) -> RunRecord:
-    wanted = ctx.engine.latest_run_id() if run_id == CURRENT else run_id
-    rec = ctx.ledger.get_run(wanted) if wanted else None
+    wanted = ctx.runs.resolve(run_id)
+    rec = ctx.ledger.get_run(wanted)
     if rec is None:
-        if run_id == CURRENT:
-            raise SwarmNotFound(404, "no run yet", "call sync_train_config and start_engine first")
         raise SwarmNotFound(404, f"no run {run_id!r}", "call list_runs (GET /runs) for the run ids")
     return rec
 
 
 def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
+    position, reason = ctx.runs.queue_place(rec.id) if rec.status == "queued" else (None, None)
     summary = rec.summary
     last_step = rec.last_step
+    saved = rec.last_checkpoint
     if full or rec.status in OPEN_RUN_STATUSES:
         # live runs change under us; a full read always reflects the file
         points = read_metrics(ctx.engine.run_dir(rec.id) / "metrics.jsonl")
         if points:
             summary, last_step = summarize(points), points[-1]["step"]
+    if rec.status in OPEN_RUN_STATUSES:  # the ledger has it once the run ends
+        found = last_checkpoint(ctx.engine.run_dir(rec.id))
+        saved = str(found.path) if found else None
     return RunPublic(
         run_id=rec.id, snapshot_id=rec.snapshot_id, experiment_name=rec.experiment_name,
         config_hash=rec.config_hash, config_yaml=rec.config_yaml if full else None,
@@ -258,8 +315,11 @@ def _public(ctx: ServerContext, rec: RunRecord, *, full: bool) -> RunPublic:
         reason=rec.reason, last_step=last_step, summary=summary,
         provenance=_provenance(ctx, rec.snapshot_id) if full else None,
         resumed_from=rec.resumed_from, resume_checkpoint=rec.resume_checkpoint,
-        resume_step=rec.resume_step, last_checkpoint=rec.last_checkpoint,
+        resume_step=rec.resume_step, last_checkpoint=saved,
         trackers=read_trackers(ctx.engine.run_dir(rec.id)),
+        name=rec.name, default_run=rec.default_run, devices=rec.devices,
+        engine_state=ctx.runs.live_state(rec.id) if rec.status in ACTIVE_RUN_STATUSES else None,
+        queue_position=position, queue_reason=reason,
     )
 
 

@@ -131,6 +131,12 @@ def test_lora_memory(ctx: BenchContext) -> None:
     assert [r.unit for r in rows] == ["MiB"] * len(rows) and len(rows) >= 2
 
 
+@pytest.mark.slow
+def test_checkpoints(ctx: BenchContext) -> None:
+    (row,) = _run_module("checkpoints", ctx)
+    assert row.unit == "s" and row.reference is not None
+
+
 def test_memory_plan(ctx: BenchContext) -> None:
     rows = _run_module("memory_plan", ctx)
     assert len(rows) == 4 and all(r.reference and r.reference > 0 for r in rows)

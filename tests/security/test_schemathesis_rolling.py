@@ -14,7 +14,7 @@ from ajet.protocol import EngineState
 from tests.support import process_alive
 from tests.support.factory import Server
 from tests.support.fake_engine import started_pids
-from tests.support.fuzz import ensure_rolling, fuzz, state
+from tests.support.fuzz import ensure_rolling, fuzz, state, stop_side_runs
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ def test_no_5xx_and_schema_conformance_with_the_engine_rolling(
     ensure_rolling(http)
     failures = fuzz(schema, srv.url, before_each=lambda: ensure_rolling(http))
     assert not failures, "\n\n".join(failures)
+    stop_side_runs(http)
     http.post("/stop_engine", json={})
     assert state(http) is EngineState.OFFLINE
     pids = started_pids(srv.workdir)

@@ -17,7 +17,11 @@ What it does is read at boot from `<workdir>/fake_engine.json` (see `set_behavio
                     of the folder it names)
     metrics         list of metric points written to <run_dir>/metrics.jsonl at boot
 
-Every start appends its pid to `<workdir>/fake_engine_pids.txt`.
+Every start appends its pid to `<workdir>/fake_engine_pids.txt`, and logs the device
+slots it was given (`devices: ...`, from `CUDA_VISIBLE_DEVICES` or
+`AJET_ENGINE_DEVICE_SLOTS`). It also serves a minimal episode plane: `/begin_episode`,
+`/end_episode`, `/abort_episode`, and `/v1/chat/completions`, whose reply names the run
+(`run <run id>`), so a test sees which run's engine a request reached.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from starlette.requests import Request  # at module level: FastAPI resolves the annotation
 
 MODULE = "tests.support.fake_engine"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(f"{os.getpid()}\n")
     print(f"fake engine pid {os.getpid()} run {args.run_id} booting", flush=True)
     print(f"config: {Path(args.config).read_text().splitlines()[0]}", flush=True)
+    print(f"devices: CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+          f"AJET_ENGINE_DEVICE_SLOTS={os.environ.get('AJET_ENGINE_DEVICE_SLOTS')}", flush=True)
 
     if behaviour.get("spawn_child"):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         step=points[-1]["step"] if points else 0,
         snapshot_id=folder_snapshot_id(Path(ajet_file).parent),
     )
-    server = _uvicorn_server(socket_path, report)
+    server = _uvicorn_server(socket_path, report, args.run_id)
     if behaviour.get("exit_after_s") is not None:
         def _exit_later() -> None:
             print(f"fake engine exiting with code {exit_code}", flush=True)
@@ -138,15 +146,51 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _uvicorn_server(socket_path: Path, report: Any) -> Any:
+def _uvicorn_server(socket_path: Path, report: Any, run_id: str) -> Any:
+    import uuid
+
     import uvicorn
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
 
     app = FastAPI()
+    live: set[str] = set()
 
     @app.get("/status")
     def status() -> Any:
-        return report
+        return report.model_copy(update={"episodes_in_flight": len(live)})
+
+    @app.post("/begin_episode")
+    def begin() -> Any:
+        episode = uuid.uuid4().hex
+        live.add(episode)
+        return {"episode_uuid": episode, "timeout_s": 600.0}
+
+    @app.post("/end_episode")
+    async def end(request: Request) -> Any:
+        body = await request.json()
+        if body["episode_uuid"] not in live:
+            return JSONResponse({"detail": f"episode {body['episode_uuid']} unknown to run "
+                                           f"{run_id}", "hint": "begin"}, status_code=404)
+        live.discard(body["episode_uuid"])
+        return {"episode_uuid": body["episode_uuid"], "accepted": True, "step": 0}
+
+    @app.post("/abort_episode")
+    async def abort(request: Request) -> Any:
+        body = await request.json()
+        live.discard(body["episode_uuid"])
+        return {"episode_uuid": body["episode_uuid"], "requeued": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Any:
+        episode = request.headers.get("x-episode-uuid", "")
+        if episode not in live:
+            return JSONResponse({"detail": f"episode {episode} unknown to run {run_id}"},
+                                status_code=404)
+        return {"id": "fake", "object": "chat.completion", "created": 0, "model": "fake",
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": f"run {run_id}"}}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
 
     socket_path.unlink(missing_ok=True)  # a stale socket file would make bind fail
     return uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning",

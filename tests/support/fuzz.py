@@ -30,7 +30,8 @@ from schemathesis.specs.openapi.checks import (
 from ajet.protocol import EngineState
 from tests.support.servers import CONTROL_TOKEN
 
-__all__ = ["CTL", "EXAMPLES", "FEWER", "JOB", "ensure_rolling", "fuzz", "state"]
+__all__ = ["CTL", "EXAMPLES", "FEWER", "JOB", "ensure_rolling", "fuzz", "state",
+           "stop_side_runs"]
 
 CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
@@ -38,15 +39,26 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 JOB = "experiment_name: fuzz\nlr: 0.01\n"
 EXAMPLES = 6
 #: Fewer examples where one costs a subprocess (config validation) or an engine restart.
-FEWER = {"POST /sync_train_config": 3, "POST /stop_engine": 2, "POST /start_engine": 3}
+FEWER = {"POST /sync_train_config": 3, "POST /stop_engine": 2, "POST /start_engine": 3,
+         "POST /runs": 3}
 
 
 def state(http: httpx.Client) -> EngineState:
     return EngineState(http.get("/get_engine_status").json()["state"])
 
 
+def stop_side_runs(http: httpx.Client) -> None:
+    """Stop the runs an example started with `POST /runs` (they hold device slots the
+    default run needs)."""
+    active = http.get("/runs", params={"state": "active", "limit": 200}).json()["runs"]
+    for run in active:
+        if not run["default_run"]:
+            http.post(f"/runs/{run['run_id']}/stop", json={"reason": "fuzz example done"})
+
+
 def ensure_rolling(http: httpx.Client) -> None:
     """Bring the engine (back) to ROLLING: an example may have stopped or restarted it."""
+    stop_side_runs(http)
     deadline = time.monotonic() + 60
     while (current := state(http)) is not EngineState.ROLLING:
         if current is EngineState.OFFLINE:

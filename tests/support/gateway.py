@@ -27,7 +27,8 @@ __all__ = ["StandInEngine", "gateway_on"]
 
 @dataclass
 class StandInEngine:
-    """What the gateway sees of the engine (`EngineView`) plus the engine's own memory."""
+    """What the gateway sees of the runs (`RunsView`: one run, `run-1`) plus the engine's
+    own memory."""
 
     socket: Path
     step: int = 0
@@ -36,14 +37,23 @@ class StandInEngine:
     closed: set[str] = field(default_factory=set)
     state: EngineState = EngineState.ROLLING
 
-    def engine_socket(self) -> Path | None:
-        return self.socket
-
-    def current_run_id(self) -> str | None:
+    def default_run_id(self) -> str | None:
         return "run-1"
 
-    def current_step(self) -> int | None:
+    def serving_socket(self, run_id: str) -> Path | None:
+        return self.socket if run_id == "run-1" else None
+
+    def run_step(self, run_id: str) -> int | None:
         return self.step
+
+    def resolve(self, ref: str) -> str:
+        return ref
+
+    def live_state(self, run_id: str | None) -> EngineState | None:
+        return self.state
+
+    def describe(self, run_id: str | None) -> str:
+        return f"engine is {self.state}"
 
     def app(self) -> FastAPI:
         app = FastAPI()

@@ -108,8 +108,8 @@ def test_an_episode_key_is_verified_once_per_request(tmp_path: Path,
     key, expires_at = gateway.signer.sign("run-1", "ep-1")
     gateway._episodes["ep-1"] = _Entry(run_id="run-1", expires_at=expires_at, timeout_s=60,
                                        last_active=0.0, step=0)
-    # a serving run without a socket: the key passes, then the forward answers 409
-    monkeypatch.setattr(ctx.engine, "current_run_id", lambda: "run-1")
+    # a serving run whose socket answers nothing: the key passes, the forward answers 409
+    monkeypatch.setattr(ctx.runs, "serving_socket", lambda run_id: tmp_path / "gone.sock")
     verified: list[str] = []
     real_verify = EpisodeKeySigner.verify
 

@@ -67,6 +67,38 @@ def test_stop_waits_for_a_save_and_names_the_last_complete_checkpoint(h: Harness
     assert record is not None and record.last_checkpoint == str(step_4.resolve())
 
 
+def test_what_a_kill_left_half_written_is_removed_and_the_complete_one_named(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    run_id, _ = _run(h)
+    run_dir = h.ctl.run_dir(run_id)
+    step_2 = _checkpoint(run_dir / "checkpoints" / "step_2", 2, run_id)
+    # a SIGKILL during the step-4 save (in the background) and the final one
+    (run_dir / "checkpoints" / "step_4.partial" / "training_state").mkdir(parents=True)
+    (run_dir / "final.partial").mkdir()
+    with caplog.at_level("WARNING", logger="swarm_server.run_checkpoints"):
+        stopped = h.ctl.stop(role="control", reason="test")
+    assert stopped.waited_for == ["checkpoints/step_4", "final"]
+    assert stopped.last_checkpoint == str(step_2.resolve())
+    assert not list(run_dir.rglob("*.partial"))
+    said = f"removed incomplete checkpoint(s) checkpoints/step_4, final (.partial: the " \
+           f"engine was stopped while writing them); the last complete checkpoint is " \
+           f"{step_2.resolve()} (step 2)"
+    assert said in caplog.text and said in (run_dir / "engine.log").read_text()
+    record = h.ledger.get_run(run_id)
+    assert record is not None and record.last_checkpoint == str(step_2.resolve())
+
+
+def test_a_run_killed_in_its_first_save_has_no_checkpoint_and_no_partial(h: Harness) -> None:
+    run_id, _ = _run(h)
+    run_dir = h.ctl.run_dir(run_id)
+    (run_dir / "checkpoints" / "step_2.partial").mkdir(parents=True)
+    stopped = h.ctl.stop(role="control", reason="test")
+    assert stopped.last_checkpoint is None and "no complete checkpoint" in stopped.message
+    assert not (run_dir / "checkpoints" / "step_2.partial").exists()
+    record = h.ledger.get_run(run_id)
+    assert record is not None and record.last_checkpoint is None
+
+
 def test_final_after_a_step_of_the_same_number_is_the_last(tmp_path: Path) -> None:
     _checkpoint(tmp_path / "checkpoints" / "step_2", 2, "r")
     _checkpoint(tmp_path / "checkpoints" / "step_10", 10, "r")

@@ -28,7 +28,7 @@ one process `Dist` does them locally without touching torch.distributed and neve
 shards the model, so the single-process engine has no "am I distributed?" branches and
 no FSDP overhead (the null object of nanochat's `DummyWandb`).
 
-Two process groups. The default group (NCCL on GPUs, gloo on CPU) carries tensors only:
+Three process groups. The default group (NCCL on GPUs, gloo on CPU) carries tensors only:
 FSDP's all-gathers and reduce-scatters, the publication, the checkpoint gathers. Its
 timeout (`collective_timeout_min`, 30 minutes) is sized for the longest real collective,
 and NCCL's async error handling tears a rank down when one fails or times out. Every
@@ -37,7 +37,9 @@ the boot gathers) goes over a second, CPU group (gloo, `Dist.control`) with a lo
 timeout: a follower waits there for rank 0's next command for as long as rank 0 takes to
 collect a step. Had that wait been an NCCL broadcast, it would sit on the follower's
 device stream, and the follower's own generator, whose forwards run on the same stream,
-would queue behind it until the batch was complete.
+would queue behind it until the batch was complete. The third, also gloo, carries only
+the planning collectives of checkpoints written in the background
+(`Dist.checkpoint_group`, `checkpoints.py`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ class Dist:
     single_rank_group: bool = False
     #: the CPU (gloo) group of every control message; None only when not `active`
     control: Any = field(default=None, compare=False, repr=False)
+    #: the CPU (gloo) group of background checkpoint writes (`checkpoints.py`): their
+    #: planning collectives run on a writer thread while the main thread trains, so they
+    #: get a group of their own (two threads on one group could interleave differently on
+    #: different ranks); None only when not `active`
+    checkpoint_group: Any = field(default=None, compare=False, repr=False)
 
     @property
     def is_main(self) -> bool:
@@ -365,12 +372,17 @@ def init_distributed(*, on_gpu: bool, single_rank_group: bool = False,
     # The CPU group of every control message (see the module docstring). new_group is
     # collective: every rank makes it, right after the default group.
     control = torch_dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # torch.distributed.checkpoint.async_save needs a CPU group; a save's collectives
+    # wait at most as long as a tensor collective
+    checkpoint_group = torch_dist.new_group(backend="gloo",
+                                            timeout=timedelta(seconds=collective_timeout_s))
     log.info("rank %d of %d joined (%s for tensors, %s timeout; gloo for control, "
              "local rank %d)", rank, world_size, backend,
              timedelta(seconds=collective_timeout_s), local_rank)
     return Dist(rank=rank, world_size=world_size, local_rank=local_rank,
                 device_type="cuda" if on_gpu else "cpu",
-                single_rank_group=world_size <= 1, control=control)
+                single_rank_group=world_size <= 1, control=control,
+                checkpoint_group=checkpoint_group)
 
 
 def group_store() -> Any:

@@ -7,8 +7,13 @@ become chat messages, `tools` of type `function` become chat tools, and from the
 the chat path (`openai_api.build_turn`): the same template rendering, tool-call parsing
 and recording, so an episode's trajectory has the same token ids whichever API a workflow
 uses. The reply has `message` (with `output_text`) and `function_call` output items,
-`usage`, and `status` (`completed`, or `incomplete` with `incomplete_details.reason`
-`max_output_tokens`).
+`usage`, and `status`: `incomplete` (`incomplete_details.reason` `max_output_tokens`)
+when the reply was cut at the `max_output_tokens` the request set, else `completed`.
+A reply cut at a limit the request did not set (the run's `max_new_tokens`, or the
+context window) is `completed`, with `ajet.truncated` saying where it was cut: the
+client asked for no limit, and agent frameworks (openai-agents) treat `incomplete` as a
+fatal error, so a run's own reply budget would otherwise fail every run of a workflow
+that sets none. The cut is recorded for training either way (`finish_reason` `length`).
 
 Nothing is stored: `store` is accepted and the reply says `"store": false`; whatever needs
 a stored response or conversation (`previous_response_id`, `conversation`, item
@@ -218,10 +223,23 @@ def _text(content: Any, index: int) -> str:
 # ---------------------------------------------------------------------------- output
 
 
-def _status(result: GenerationResult) -> tuple[str, dict[str, str] | None]:
-    if result.finish_reason == "length":
+def _status(result: GenerationResult, body: ResponsesRequest
+            ) -> tuple[str, dict[str, str] | None]:
+    """`incomplete` only for a cut at the request's own `max_output_tokens` (module doc)."""
+    if result.finish_reason == "length" and body.max_output_tokens is not None:
         return "incomplete", {"reason": "max_output_tokens"}
     return "completed", None
+
+
+def _truncated(turn: ChatTurn, body: ResponsesRequest, result: GenerationResult | None
+               ) -> dict[str, Any] | None:
+    """Where a reply was cut at a limit the request did not set (`ajet.truncated`)."""
+    if result is None or result.finish_reason != "length" or body.max_output_tokens is not None:
+        return None
+    limit = turn.ask.max_new_tokens
+    if len(result.response_ids) >= limit:
+        return {"limit": limit, "source": "run"}  # the job's max_new_tokens
+    return {"limit": len(result.prompt_ids) + len(result.response_ids), "source": "context"}
 
 
 def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None
@@ -242,7 +260,7 @@ def _response(fmt: ChatFormat, turn: ChatTurn, body: ResponsesRequest,
               response_id: str, output: list[dict[str, Any]] | None = None,
               created: int | None = None) -> dict[str, Any]:
     """The response object; `result` None: still in progress (the stream's first events)."""
-    status, details = _status(result) if result is not None else ("in_progress", None)
+    status, details = _status(result, body) if result is not None else ("in_progress", None)
     if output is None and result is not None and reply is not None:
         output = []
         if reply.content or not reply.tool_calls:
@@ -267,8 +285,17 @@ def _response(fmt: ChatFormat, turn: ChatTurn, body: ResponsesRequest,
         "previous_response_id": None, "reasoning": None,
         "store": False,  # accepted, and nothing is stored: the plane is stateless
         "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": {},
-        "usage": usage, "ajet": ajet_field(turn),
+        "usage": usage, "ajet": _ajet(turn, body, result),
     }
+
+
+def _ajet(turn: ChatTurn, body: ResponsesRequest, result: GenerationResult | None
+          ) -> dict[str, Any]:
+    out = ajet_field(turn)
+    truncated = _truncated(turn, body, result)
+    if truncated is not None:
+        out["truncated"] = truncated
+    return out
 
 
 async def _stream(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
@@ -323,7 +350,7 @@ async def _stream(fmt: ChatFormat, generation: Generation, turn: ChatTurn,
             if not message_open and not reply.tool_calls:
                 for chunk in open_message():  # an empty reply is an empty message
                     yield chunk
-            status, _ = _status(result)
+            status, _ = _status(result, body)
             if message_open:
                 lp = token_logprobs(fmt, result) if logprobs else None
                 item = _message_item(message_id, text, status, lp)

@@ -33,7 +33,8 @@ by the node's processes. A plan that does not fit names the smallest changes tha
 GPU jobs also need host memory, per node (`host_terms`): each process's runtime (torch,
 the CUDA and NCCL host side), the checkpoint's files while the ranks load them (the page
 cache: one copy per node, as every rank reads the same memory-mapped files straight
-onto its GPU), and on rank 0's node the full weights a checkpoint gathers there. A job
+onto its GPU), on rank 0's node the full weights a checkpoint gathers there, and with
+`async_save` every rank's training state staged for the background write. A job
 whose node needs more than the host has (`detect_host`: the machine's memory or the
 container's limit, or `AJET_ENGINE_HOST_MEMORY_GB` where the config is checked on another
 machine than the GPU nodes) does not fit either, and the refusal says so with the numbers.
@@ -123,6 +124,9 @@ _LOGIT_COPIES = 4
 _HOST_PER_GPU_PROCESS = 5 * GiB // 2
 #: Environment override of the host memory the planner assumes (GiB).
 HOST_MEMORY_ENV = "AJET_ENGINE_HOST_MEMORY_GB"
+#: Environment override of one GPU's memory (GiB): the smallest GPU of the nodes a launcher
+#: places runs on (the Ray launcher sets both from what Ray reports of its nodes).
+GPU_MEMORY_ENV = "AJET_ENGINE_GPU_MEMORY_GB"
 _HOST_PHASES = ("boot", "checkpoint save")
 #: Candidates for "more GPUs" (per node), and nodes of 8 GPUs after that.
 _GPU_COUNTS = (2, 4, 8)
@@ -314,6 +318,7 @@ class JobView:
     micro_batch_tokens: int = 16384
     mini_batch_num: int = 1
     gpu_memory_gb: float = 80.0
+    async_save: bool | str = "auto"
     #: FSDP2 even with one rank (`bench/gpu_check.py`); None: the engine's rule, FSDP2
     #: exactly when there are several ranks
     fsdp: bool | None = None
@@ -330,6 +335,11 @@ class JobView:
     @property
     def on_gpu(self) -> bool:
         return self.n_gpu > 0
+
+    @property
+    def saves_in_background(self) -> bool:
+        """`async_save` as the engine resolves it (auto: with GPUs)."""
+        return self.on_gpu if self.async_save == "auto" else bool(self.async_save)
 
     @property
     def procs_per_node(self) -> int:
@@ -434,11 +444,18 @@ def detect_available(job: JobView, *, smi_timeout_s: float = 10.0,
     (or the container's limit) divided among the node's `n_proc` processes.
     """
     if not job.on_gpu:
-        total, source = _host_memory()
+        host = detect_host()  # the nodes' own, where a launcher names it
+        total, source = host.bytes, host.source
         share = total // max(1, job.procs_per_node)
         if job.procs_per_node > 1:
             source += f", shared by {job.procs_per_node} processes"
         return Available(share, source)
+    given = os.environ.get(GPU_MEMORY_ENV)
+    if given:
+        try:
+            return Available(int(float(given) * GiB), f"{GPU_MEMORY_ENV}={given}")
+        except ValueError:
+            log.warning("%s=%r is not a number of GiB; ignored", GPU_MEMORY_ENV, given)
     totals = gpu_totals(smi_timeout_s)
     if totals:
         used = totals[:job.n_gpu] if len(totals) >= job.n_gpu else totals
@@ -799,7 +816,8 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
                           _CPU_RUNTIME, "runtime", _TRAINING, steady=True))
     plan = MemoryPlan(job=job, shape=shape, available=available, terms=terms,
                       micro_tokens=micro, chunk_positions=chunk,
-                      host_terms=_host_terms(job, shape, adapters) if job.on_gpu else [],
+                      host_terms=_host_terms(job, shape, adapters, world=world)
+                      if job.on_gpu else [],
                       host_available=host)
     _add_generation_terms(plan, compute, backend)
     if with_fixes and not plan.fits:
@@ -807,10 +825,21 @@ def plan_memory(job: JobView, shape: ModelShape, available: Available, *,
     return plan
 
 
-def _host_terms(job: JobView, shape: ModelShape, adapters: int) -> list[Term]:
+def _host_terms(job: JobView, shape: ModelShape, adapters: int, *, world: int
+                ) -> list[Term]:
     """Host memory of the busiest node (rank 0's) of a GPU job."""
     p = shape.parameters
     lora = job.lora_rank > 0
+    staged = []
+    if job.saves_in_background:
+        # async_save stages each rank's training state (fp32 masters and AdamW's two
+        # moments: 12 bytes per trained parameter, its shard of them) in host memory,
+        # where it stays until the background write is done
+        trained = adapters if lora else p
+        staged = [Term("training state staged for the background save (async_save; "
+                       f"{job.procs_per_node} rank(s) of the node)",
+                       job.procs_per_node * math.ceil(3 * _FP32 * trained / world),
+                       "transient", ("checkpoint save",))]
     return [
         Term(f"process runtime ({job.procs_per_node} x {_size(_HOST_PER_GPU_PROCESS)})",
              job.procs_per_node * _HOST_PER_GPU_PROCESS, "runtime", _HOST_PHASES),
@@ -823,6 +852,7 @@ def _host_terms(job: JobView, shape: ModelShape, adapters: int) -> list[Term]:
                                                  else "fp32 masters)"),
              2 * p + _FP32 * adapters if lora else _FP32 * p, "transient",
              ("checkpoint save",)),
+        *staged,
     ]
 
 

@@ -5,12 +5,16 @@ handed to uvicorn, so no other local user can connect even for a moment. uvicorn
 outside the main thread, which therefore keeps the SIGTERM handler (the trainer's).
 
 `tcp_host` binds a TCP port instead (a free one on that address): ranks on other nodes
-serve their generator to rank 0 that way (`ranks.py`), behind a bearer token.
+serve their generator to rank 0 that way (`ranks.py`), behind a bearer token, and so
+does rank 0's own channel when the swarm server is on another machine (the Ray launcher):
+`BearerGuard` wraps the app and answers 401 to any request without the token.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hmac
+import json
 import logging
 import os
 import socket
@@ -19,9 +23,11 @@ import time
 from pathlib import Path
 
 import uvicorn
+from typing import Any
+
 from fastapi import FastAPI
 
-__all__ = ["ChannelServer"]
+__all__ = ["BearerGuard", "ChannelServer"]
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +35,35 @@ log = logging.getLogger(__name__)
 MAX_SOCKET_PATH = 100
 
 
+class BearerGuard:
+    """ASGI middleware: every HTTP request must carry `Authorization: Bearer <token>`.
+
+    Checked before the app sees the request (so before any body is read), in constant
+    time; a refusal is `{"detail", "hint"}` with 401, the private channel's error shape.
+    """
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode("latin-1")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self._expected):
+                body = json.dumps({"detail": "the engine's channel answers its swarm server "
+                                             "only", "hint": "send the run's bearer token"}
+                                  ).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode()),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 class ChannelServer:
-    def __init__(self, app: FastAPI, socket_path: Path | None = None, *,
+    def __init__(self, app: Any, socket_path: Path | None = None, *,
                  tcp_host: str | None = None) -> None:
         if (socket_path is None) == (tcp_host is None):
             raise ValueError("pass a socket path or a TCP host, not both")

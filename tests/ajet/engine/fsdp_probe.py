@@ -9,7 +9,7 @@ token budget that cuts micro-batches of one to three rows, and a KL term:
 
 - `full`: full fine-tuning with activation checkpointing and a frozen reference. Two
   updates, a checkpoint (the full model gathered from the shards, and the sharded
-  training state), a third update; then a fresh learner restores the training state
+  training state) written in the background while a third update runs; then a fresh learner restores the training state
   and repeats the third update (a resumed run must take the same step).
 - `lora`: LoRA rank 4 on every linear layer, the reference being the adapters switched
   off. Two updates and a checkpoint with the merged model.
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ajet.copilot.job import AgentJetJob
-from ajet.engine.checkpoints import load_training_state, save_checkpoint
+from ajet.engine.checkpoints import begin_checkpoint, load_training_state
 from ajet.engine.config import engine_config_from_job
 from ajet.engine.parallel.distributed import Dist, init_distributed, start_orphan_watchdog
 from ajet.engine.learner import Learner, TrainSample
@@ -76,9 +76,12 @@ def flat(module: torch.nn.Module) -> torch.Tensor:
 def run_full(model: Path, dist: Dist, out: Path) -> dict[str, Any]:
     first = learner(model, dist, **JOBS["full"])
     stats = [dataclasses.asdict(first.update(batch(seed))) for seed in (5, 6)]
-    checkpoint = save_checkpoint(first, out.with_name(out.stem + "-full"), step=2, run_id="p")
+    # written in the background (the job's async_save) while the third update runs
+    pending = begin_checkpoint(first, out.with_name(out.stem + "-full"), step=2,
+                               run_id="p", background=True)
     at_checkpoint = flat(first.policy.model)
     stats.append(dataclasses.asdict(first.update(batch(7))))
+    checkpoint = pending.wait()
     resumed = learner(model, dist, **JOBS["full"])
     load_training_state(resumed, checkpoint)
     again = dataclasses.asdict(resumed.update(batch(7)))
@@ -92,7 +95,8 @@ def run_lora(model: Path, dist: Dist, out: Path) -> dict[str, Any]:
     stats = [dataclasses.asdict(lora.update(batch(seed))) for seed in (5, 6)]
     changed = sorted(n for n, p in lora.policy.model.named_parameters()
                      if not torch.equal(p.detach(), base[n]))
-    checkpoint = save_checkpoint(lora, out.with_name(out.stem + "-lora"), step=2, run_id="p")
+    checkpoint = begin_checkpoint(lora, out.with_name(out.stem + "-lora"), step=2,
+                                  run_id="p", background=True).wait()
     adapters = {n: p.detach().clone() for n, p in lora.policy.model.named_parameters()
                 if "lora_" in n}
     return {"parameters": flat(lora.policy.model), "stats": stats, "changed": changed,

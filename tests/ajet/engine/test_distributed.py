@@ -58,10 +58,12 @@ def test_with_nccl_configured_every_control_message_goes_over_the_cpu_group(
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     for found in (zero, one):
         # NCCL (here: fake) for tensors, with the 30-minute default and async error
-        # handling; one gloo group with the long timeout for control
+        # handling; one gloo group with the long timeout for control, one for the
+        # background checkpoint writes with the tensor timeout
         assert found["asked"] == {"backend": "nccl", "timeout_s": 1800.0}
         assert found["default_backend"] == "fake" and found["device_type"] == "cuda"
-        assert found["groups"] == [{"backend": "gloo", "timeout_s": 86400.0}]
+        assert found["groups"] == [{"backend": "gloo", "timeout_s": 86400.0},
+                                   {"backend": "gloo", "timeout_s": 1800.0}]
         assert found["control_backend"] == "gloo"
         assert found["async_error_handling"] == "3"
         assert found["gathered"] == [[0, "endpoint-0"], [1, "endpoint-1"]]

@@ -3,6 +3,7 @@ headline refusal; the memory available (nvidia-smi, gpu_memory_gb, the host)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from pathlib import Path
@@ -276,6 +277,11 @@ def test_memory_available_from_nvidia_smi_gpu_memory_gb_and_the_host(
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert detect_available(JobView(n_gpu=0, n_proc=1)).bytes <= host
     assert detect_available(JobView(n_gpu=0, n_proc=4)).bytes <= host // 4
+    # a launcher's word on its nodes (the Ray launcher: what Ray reports) comes first
+    monkeypatch.setenv("AJET_ENGINE_GPU_MEMORY_GB", "40")
+    assert detect_available(JobView(n_gpu=1)).bytes == 40 * GiB
+    monkeypatch.setenv("AJET_ENGINE_HOST_MEMORY_GB", "8")
+    assert detect_available(JobView(n_gpu=0, n_proc=2)).bytes == 4 * GiB
 
 
 def test_a_job_whose_model_has_no_config_json_here_is_not_planned(tmp_path: Path) -> None:
@@ -326,7 +332,15 @@ def test_a_node_without_the_host_memory_is_refused_with_the_numbers() -> None:
     assert "the GPUs fit, the host does not" in small.hint()
     assert small.to_dict()["host_gib"] == pytest.approx(small.host_bytes / 2**30, abs=1e-3)
     big = plan_memory(job, shape, H100, host=Available(1024 * 2**30, "test: a GPU node"))
-    assert big.fits and big.host_bytes < 64 * 2**30  # was 8 x 30 GiB of fp32 copies
+    # async_save (on with GPUs): each rank stages its shard of the training state, fp32
+    # masters and two moments, 12 bytes per parameter over the node
+    staged = {t.name: t.bytes for t in big.host_terms}[
+        "training state staged for the background save (async_save; 8 rank(s) of the node)"]
+    assert staged == 8 * -(-12 * shape.parameters // 8)
+    assert big.fits and big.host_bytes - staged < 64 * 2**30  # was 8 x 30 GiB of fp32 copies
+    sync = plan_memory(dataclasses.replace(job, async_save=False), shape, H100,
+                       host=Available(1024 * 2**30, "test: a GPU node"))
+    assert sync.host_bytes == big.host_bytes - staged
     cpu = plan_memory(JobView.from_job(AgentJetJob()), model_shape("ajet-tiny"),
                       Available(2**34, "test"), host=Available(1, "test: no host"))
     assert cpu.host_terms == [] and cpu.fits  # a CPU job's host is its device, planned above

@@ -121,6 +121,25 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(plane: PlaneApp) -> None
     end(plane, uuid)
 
 
+def test_a_reply_cut_at_the_runs_limit_is_completed_and_says_where(plane: PlaneApp) -> None:
+    # no max_output_tokens: the run's max_new_tokens cuts it, and agent frameworks
+    # (openai-agents) would fail the whole run on `incomplete`
+    limit = plane.cfg.max_new_tokens
+    long = "Paris is sunny. " * limit
+    uuid = begin(plane)
+    plane.generator.say(long, long)
+    reply = respond(plane, uuid).json()
+    assert reply["status"] == "completed" and reply["incomplete_details"] is None
+    assert reply["output"][0]["status"] == "completed"
+    assert reply["usage"]["output_tokens"] == limit
+    assert reply["ajet"]["truncated"] == {"limit": limit, "source": "run"}
+    streamed = events(respond(plane, uuid, stream=True).text)
+    assert streamed[-1][0] == "response.completed"
+    assert streamed[-1][1]["response"]["ajet"]["truncated"] == {"limit": limit, "source": "run"}
+    end(plane, uuid)
+    assert [c.finish_reason for c in recorded(plane, uuid)] == ["length", "length"]
+
+
 REFUSED: list[tuple[str, dict[str, Any]]] = [  # (the field named, the body)
     ("previous_response_id", {"previous_response_id": "resp_1"}),
     ("conversation", {"conversation": "conv_1"}),

@@ -179,3 +179,53 @@ def test_the_engine_process_resumes_from_the_checkpoint_it_is_given(model_path: 
     assert json.loads((final / "ajet_checkpoint.json").read_text())["step"] == 4
     key = name.removeprefix("lm.")
     torch.testing.assert_close(load_file(final / "model.safetensors")[key], weight.detach())
+
+
+def test_a_background_save_keeps_the_state_it_began_with_and_the_stop_waits_for_it(
+        model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """`async_save`: training changes the weights and AdamW's state while the checkpoint
+    is written; the checkpoint holds those of its step, and `finish` (the SIGTERM path)
+    waits for it, then names it `final/` too."""
+    from ajet.engine import checkpoints
+
+    learner = _learner(model_path, _cfg())
+    registry = _registry(learner.cfg, range(1, 2))
+    parts = _parts(learner, tmp_path / "run", registry, start_step=0)
+    assert train(dataclasses.replace(parts, cfg=dataclasses.replace(parts.cfg, max_steps=1,
+                                                                  save_every=0))) == 1
+    at_1, moments_1 = _params(learner), _moments(learner)
+    writing = threading.Event()
+    real_write = checkpoints._write_model_files
+
+    def slow_write(*args: object, **kwargs: object) -> None:
+        writing.set()
+        time.sleep(1.0)  # a large model's weights take a while to write
+        real_write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(checkpoints, "_write_model_files", slow_write)
+    target = step_checkpoint_dir(parts.run_dir, 1)
+    parts.pending = checkpoints.begin_checkpoint(learner, target, step=1,
+                                                 run_id="run", background=True)
+    assert writing.wait(10) and not parts.pending.done()
+    assert target.with_name("step_1.partial").is_dir() and not target.exists()
+    with torch.no_grad():  # training goes on meanwhile
+        for p in learner.model.scorer.parameters():
+            p.add_(1.0)
+        for state in learner.optimizer.state.values():
+            state["exp_avg"].add_(1.0)
+    with caplog.at_level("INFO", logger="ajet.engine.trainer"):
+        finish(parts, 1)
+    assert "stopping: waiting for checkpoint" in caplog.text
+    assert json.loads((target / "ajet_checkpoint.json").read_text())["step"] == 1
+    final = parts.run_dir / "final"
+    assert (final / "model.safetensors").stat().st_ino == \
+        (target / "model.safetensors").stat().st_ino
+    assert not list(parts.run_dir.rglob("*.partial"))
+    saved = load_file(target / "model.safetensors")
+    for name, value in at_1.items():
+        assert torch.equal(saved[name.removeprefix("lm.")], value), name
+    fresh = _learner(model_path, _cfg())
+    assert resume_training(fresh, target) == 1
+    assert all(torch.equal(p, at_1[n]) for n, p in _params(fresh).items())
+    assert all(torch.equal(a, b) for a, b in zip(_moments(fresh), moments_1, strict=True))
