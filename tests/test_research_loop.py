@@ -1,8 +1,8 @@
 """`examples/research_loop.py` (what `make demo` runs): the whole loop, shortened.
 
 The slow tests run the real program as `make demo` does, with 1 step per run instead of
-12, 2 episodes per task and 8 new tokens: a real swarm server it starts itself, the real
-engine, `ajet-mcp` over stdio, a throwaway git repo. They check what a newcomer is promised:
+12 and 4 episodes per task: a real swarm server it starts itself, the real engine,
+`ajet-mcp` over stdio, a throwaway git repo. They check what a newcomer is promised:
 exit 0; a baseline and three ideas, one of which kills the engine; the recovery chosen
 from what the tools said (engine_status, a literal read_logs search, activate_snapshot
 to the best run's snapshot, a restart that trains); the best run's code and config
@@ -132,8 +132,7 @@ def _run_demo(tmp_path: Path, *extra: str) -> tuple[dict[str, Any], str, Path]:
     plot = tmp_path / "out" / "rewards.png"
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, str(DEMO), "--steps", "1", "--set", "num_repeat=2", "--set", "max_new_tokens=8",
-         "--margin", "1",
+        [sys.executable, str(DEMO), "--steps", "1", "--set", "num_repeat=4", "--margin", "1",
          "--workdir", str(workdir), "--plot", str(plot), "--summary-json", str(summary_path),
          *extra],
         capture_output=True, text=True, timeout=240, cwd=tmp_path,
