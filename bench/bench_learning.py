@@ -98,8 +98,12 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
                      n_workers: int = 4, stop_when_met: bool = True,
                      job_overrides: dict[str, Any] | None = None,
                      workdir: Path | None = None,
-                     env: dict[str, str] | None = None) -> LearningFigures:
+                     env: dict[str, str] | None = None,
+                     stop_after_steps: int | None = None) -> LearningFigures:
     """Run server + engine + workers and measure the learning criterion.
+
+    `stop_after_steps` ends the run once that many metrics lines are in, whatever the
+    budget left (the smoke test's quick run: plumbing, not learning).
 
     `env` adds to the server's (and so the engine's) environment, e.g.
     `AJET_ENGINE_GENERATION=recompute` for the generator without KV cache.
@@ -150,6 +154,8 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
                     met_at = time.monotonic() - t0
                     if stop_when_met:
                         break
+                if stop_after_steps is not None and len(points) >= stop_after_steps:
+                    break
             wall_s = time.monotonic() - t0
             runner.stop(timeout=30)
             client.stop_run(reason="bench finished")

@@ -32,6 +32,9 @@ BUDGET_S = 90.0
 ENGINE_RSS_BUDGET_MB = 600.0
 #: LoRA with the defaults ajet-tiny gets by model (lr and targets chosen by the server)
 LORA_JOB = {"lora_rank": 8}
+#: quick runs end after this many steps (a steady line beside the first, which waits for
+#: the workers), instead of running out the 15 s
+QUICK_STEPS = 3
 
 
 def _metric_lines(workdir: Path) -> list[dict[str, Any]]:
@@ -48,7 +51,7 @@ def _learn(ctx: BenchContext, name: str, *, job: dict[str, Any] | None = None,
     if ctx.quick:  # a few small steps: proves the plumbing, not the learning
         return measure_learning(duration_s=15.0, batch_size=2, num_repeat=2,
                                 stop_when_met=False, workdir=workdir, job_overrides=job,
-                                env=env), workdir
+                                env=env, stop_after_steps=QUICK_STEPS), workdir
     return measure_learning(duration_s=BUDGET_S, workdir=workdir, job_overrides=job,
                             env=env), workdir
 

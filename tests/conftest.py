@@ -3,6 +3,8 @@ repos, and the tool-calling model of the end-to-end tool tests."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,10 +52,20 @@ def ajet_repo(tmp_path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once."""
+    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once
+    per test run: under xdist the workers share it (about 20 s of CPU each otherwise)."""
     from tests.support.tool_model import finetune_tool_model
 
-    return finetune_tool_model(tmp_path_factory.mktemp("tool-model") / "ajet-tiny-tools")
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder, above every worker's own basetemp
+    target = root / "tool-model" / "ajet-tiny-tools"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one worker builds it while the others wait; `finetune_tool_model` returns a
+    # finished one (its finetuned.json is written last) as it is
+    with open(target.parent / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return finetune_tool_model(target)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
-from ajet.errors import EngineStateConflict
+from ajet.errors import EngineStateConflict, SwarmNotFound
 from ajet.protocol import BeginEpisodeResponse
 from swarm_server.episode_keys import KEY_PREFIX, EpisodeKeySigner, InvalidEpisodeKey
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, rolling_server
@@ -172,6 +172,8 @@ def test_keys_of_an_earlier_engine_run_are_refused(srv: ServerHandle,
     late = httpx.post(f"{srv.url}/end_episode", headers=WRK, timeout=30, json={
         "episode_uuid": old.episode_uuid, "task_id": "t", "reward": 1.0})
     assert late.status_code == 404 and "run" in late.json()["detail"]
+    with pytest.raises(SwarmNotFound, match="belongs to engine run"):  # the typed client
+        worker.report_episode(old.episode_uuid, "t", 1.0)
     fresh = begin(worker)
     assert fresh.run_id == new_run.run_id and chat(srv, fresh.openai_api_key).status_code == 200
     worker.cancel_episode(fresh.episode_uuid)
