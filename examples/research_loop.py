@@ -8,20 +8,27 @@ It plays the part an LLM agent plays in the real case, on one machine, with noth
 running beforehand:
 
   0. copies the project's `ajet/` and the digits workflow into a throwaway git repository,
-     starts a local swarm server on a free loopback port (`SwarmClient(...,
+     starts a local swarm server with two device slots (`--devices 2`, as
+     `AJET_SWARM_DEVICES=2`) on a free loopback port (`SwarmClient(...,
      auto_start_swarm_server=True)`) and `ajet-mcp --approval ask` as a stdio subprocess;
      from here on every action on the cluster is an MCP tool call;
   1. baseline: `sync_train_code` (the unmodified copy), `configure` a small GRPO job on
      `ajet-tiny`, `start_engine`, `start_rollouts` with `examples/digits_workflow.py:workflow`
      (reward = share of digits in the reply), `read_metrics` until N steps are done;
-  2. three ideas, one at a time, each with a hypothesis and judged against the best run
-     so far by the measured `log/digit_share` (never fixed in advance):
+  2. three ideas, each with a hypothesis and judged against the best run before it by
+     the measured `log/digit_share` (never fixed in advance):
        a. a code patch: keep only positive advantages (`ajet/engine/advantages.py`);
-       b. a config change through `configure` alone (twice the learning rate), no sync;
+       b. a config change alone (twice the learning rate), no sync;
        c. a code patch with a slip (`math.isqrt` in `ajet/engine/rewards.py`) that kills
           the engine at its first update;
-     a change that does not beat the best run is undone: `activate_snapshot` for code,
-     `configure` for config;
+     a and b train at the same time, as two named runs on a device slot each: a is
+     synced and its run pinned to that snapshot id (`start_engine(name=...,
+     snapshot_id=...)`), b's run is pinned to the baseline's snapshot with its changed
+     field (`start_engine(name=..., config={'lr': ...})`); the agent polls both
+     (`engine_status`, `read_metrics` with `run_id`) and stops each once it has N steps.
+     Then c, alone on the default run. A change that does not beat the best run is
+     undone: `activate_snapshot` for code, `configure` for config; of a and b, the one
+     that beat the baseline by more is kept;
   3. the recovery from c, chosen from what the tools say: `engine_status` (state,
      `last_error`, log tail), `read_logs` with a literal search, `stop_rollouts`,
      `list_runs`, `activate_snapshot` to the best run's snapshot, `start_engine`, and a
@@ -29,7 +36,8 @@ running beforehand:
   4. keep the best: the best run's snapshot and config are made (and checked) active;
   5. `compare_runs` of every run, a table, a PNG of every run's curve and
      `demo_report.md` for the human: hypotheses, snapshots, config differences,
-     verdicts, the crash and the recovery, the approvals, the size of every tool result.
+     verdicts, which runs ran side by side (how long, on which device slots), the crash
+     and the recovery, the approvals, the size of every tool result.
 
 Each sync is approved by the human: through MCP elicitation (printed, then accepted), or
 with `--approvers` on the server (the pending state is shown, then the human runs

@@ -6,9 +6,10 @@ The slow tests run the real program as `make demo` does, with 1 step per run ins
 exit 0; a baseline and three ideas, the first two side by side (two named runs at once
 on disjoint device slots of a `--devices 2` server), the third killing the engine; the
 recovery chosen from what the tools said (engine_status, a literal read_logs search,
-activate_snapshot to the best run's snapshot, a restart that trains); the best run's code and config
-active at the end, as a fresh server on the same work directory reports; the human's
-approvals; every tool result within 8 KB; the plot and the report; no process left.
+activate_snapshot to the best run's snapshot, a restart that trains); the best run's
+code and config active at the end, as a fresh server on the same work directory
+reports; the human's approvals; every tool result within 8 KB; the plot and the report;
+no process left.
 
 `--margin 1` makes every idea "not better than noise", so the agent must undo each one:
 the test then knows the best run (the baseline) in advance and fails if the undo or the
