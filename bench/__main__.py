@@ -29,6 +29,7 @@ from pathlib import Path
 from bench import (
     bench_budgets,
     bench_checkpoints,
+    bench_concurrent,
     bench_episodes,
     bench_generation,
     bench_lora_memory,
@@ -65,6 +66,7 @@ MODULES: dict[str, Callable[[BenchContext], list[Row]]] = {
     "memory_plan": bench_memory_plan.run,
     "lora_memory": bench_lora_memory.run,
     "soak": bench_soak.run,
+    "concurrent": bench_concurrent.run,
 }
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUTPUT = PROJECT_ROOT / "bench" / "results" / "latest.md"

@@ -8,20 +8,27 @@ It plays the part an LLM agent plays in the real case, on one machine, with noth
 running beforehand:
 
   0. copies the project's `ajet/` and the digits workflow into a throwaway git repository,
-     starts a local swarm server on a free loopback port (`SwarmClient(...,
+     starts a local swarm server with two device slots (`--devices 2`, as
+     `AJET_SWARM_DEVICES=2`) on a free loopback port (`SwarmClient(...,
      auto_start_swarm_server=True)`) and `ajet-mcp --approval ask` as a stdio subprocess;
      from here on every action on the cluster is an MCP tool call;
   1. baseline: `sync_train_code` (the unmodified copy), `configure` a small GRPO job on
      `ajet-tiny`, `start_engine`, `start_rollouts` with `examples/digits_workflow.py:workflow`
      (reward = share of digits in the reply), `read_metrics` until N steps are done;
-  2. three ideas, one at a time, each with a hypothesis and judged against the best run
-     so far by the measured `log/digit_share` (never fixed in advance):
+  2. three ideas, each with a hypothesis and judged against the best run before it by
+     the measured `log/digit_share` (never fixed in advance):
        a. a code patch: keep only positive advantages (`ajet/engine/advantages.py`);
-       b. a config change through `configure` alone (twice the learning rate), no sync;
+       b. a config change alone (twice the learning rate), no sync;
        c. a code patch with a slip (`math.isqrt` in `ajet/engine/rewards.py`) that kills
           the engine at its first update;
-     a change that does not beat the best run is undone: `activate_snapshot` for code,
-     `configure` for config;
+     a and b train at the same time, as two named runs on a device slot each: a is
+     synced and its run pinned to that snapshot id (`start_engine(name=...,
+     snapshot_id=...)`), b's run is pinned to the baseline's snapshot with its changed
+     field (`start_engine(name=..., config={'lr': ...})`); the agent polls both
+     (`engine_status`, `read_metrics` with `run_id`) and stops each once it has N steps.
+     Then c, alone on the default run. A change that does not beat the best run is
+     undone: `activate_snapshot` for code, `configure` for config; of a and b, the one
+     that beat the baseline by more is kept;
   3. the recovery from c, chosen from what the tools say: `engine_status` (state,
      `last_error`, log tail), `read_logs` with a literal search, `stop_rollouts`,
      `list_runs`, `activate_snapshot` to the best run's snapshot, `start_engine`, and a
@@ -29,7 +36,8 @@ running beforehand:
   4. keep the best: the best run's snapshot and config are made (and checked) active;
   5. `compare_runs` of every run, a table, a PNG of every run's curve and
      `demo_report.md` for the human: hypotheses, snapshots, config differences,
-     verdicts, the crash and the recovery, the approvals, the size of every tool result.
+     verdicts, which runs ran side by side (how long, on which device slots), the crash
+     and the recovery, the approvals, the size of every tool result.
 
 Each sync is approved by the human: through MCP elicitation (printed, then accepted), or
 with `--approvers` on the server (the pending state is shown, then the human runs
@@ -78,6 +86,7 @@ from examples.research_agent.judging import (  # noqa: E402
 )
 from examples.research_agent.lab import (  # noqa: E402
     IDEAS,
+    Idea,
     keep_edit,
     make_throwaway_repo,
     revert_edit,
@@ -104,6 +113,10 @@ JOB: dict[str, Any] = {
 #: One worker: episodes run in a fixed order, so runs draw the same random numbers
 #: until their weights differ. More workers are faster but make runs less comparable.
 N_WORKERS = 1
+#: The ideas that train at once, as two named runs (the crash is shown on its own).
+SIDE_BY_SIDE = ("positive-advantages", "double-lr")
+#: Device slots of the demo's server (`--devices 2`): one per side-by-side run.
+DEVICES = 2
 APPROVER_NAME = "demo-approver"
 
 
@@ -154,7 +167,8 @@ async def research_loop(args: argparse.Namespace, console: Console, root: Path) 
     # The approver list is set either way, so one in the caller's environment does not
     # switch enforcement on behind the flag's back.
     server_env = {"AJET_SWARM_TOKEN": token, "AJET_SWARM_APPROVER_TOKENS":
-                  f"{APPROVER_NAME}={approver_token}" if approver_token else ""}
+                  f"{APPROVER_NAME}={approver_token}" if approver_token else "",
+                  "AJET_SWARM_DEVICES": str(DEVICES)}
     swarm = SwarmClient(url, token=token, auto_start_swarm_server=True,
                         swarm_workdir=root / "swarm", server_start_timeout=60.0,
                         server_env=server_env)
@@ -230,51 +244,17 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
     console.say(f"  baseline: mean {METRIC} over the last {window} step(s) {base.mean:.3f}",
                 always=True)
 
+    # The code idea and the config idea train at once, as two named runs on their own
+    # device slots; the crashing idea then runs alone on the default run, as a recovery
+    # from a dead engine is shown best with nothing else running.
+    together = [i for i in args.ideas if i.key in SIDE_BY_SIDE]
     for idea in args.ideas:
-        n = IDEAS.index(idea) + 1
-        best = study.the_best()
-        console.phase(f"idea {n} of {len(IDEAS)}, {idea.title}; the best so far: {best.label}")
-        console.wrapped(f"Hypothesis: {idea.hypothesis}")
-        console.wrapped(f"Null: {idea.null}")
-        console.wrapped(f"Judged by {METRIC} (the raw task measure, untouched by reward or "
-                        f"advantage processing), the mean over the last {window} step(s), "
-                        f"against {best.label}'s {best.mean:.3f}; a difference under {margin} "
-                        "is noise.")
-        run = RunRecord(label=f"{n}-{idea.key}", idea=idea, config=config)
-        if idea.kind == "code" and idea.edit is not None:
-            run.diff = idea.edit(repo)
-            console.say(f"  edited {idea.module} in the repository "
-                        f"({run.diff.count(chr(10))} diff lines)")
-            synced = await agent.sync(f"idea {n}")
-            run.approval, run.server_path = synced["approval_text"], synced["server_path"]
-        elif idea.change is not None:
-            run.config_change = idea.change(best.config)
-            configured = await agent.call("configure", **run.config_change)
-            console.say(f"  configure (no sync; the code stays {best.snapshot_id[:12]}): "
-                        f"{configured['message']}")
-            config = run.config = configured["config"]
-        await _train(agent, run, steps)
-        study.add(run)
-        if run.failed:
-            config = await _recover(agent, study, run, repo, steps, config)
+        if len(together) > 1 and idea in together:
+            if idea is together[0]:
+                config = await _side_by_side(agent, study, together, repo, steps, window,
+                                             margin, config)
             continue
-        run.mean = await agent.window_mean(run.run_id, window)
-        run.compared_with = best.label
-        run.verdict = judge(best.mean, run.mean, margin=margin)
-        console.say(verdict_text(run.verdict, best_label=best.label, best=best.mean,
-                                 new=run.mean, window=window, margin=margin), always=True)
-        if run.verdict == "held":
-            study.best = run
-            if idea.module:
-                keep_edit(repo, idea.module, f"keep: {idea.title}")
-            run.decision = (f"Kept: {run.label} is the new best run (snapshot "
-                            f"{run.snapshot_id[:12]}, lr {run.config.get('lr')}).")
-        else:
-            run.decision, config = await keep_best(agent, study, config)
-            if idea.module:
-                revert_edit(repo, idea.module)
-                run.decision += f" It undid the edit of {idea.module} in its repository."
-        console.say(f"Decision: {run.decision}", always=True)
+        config = await _one_idea(agent, study, idea, repo, steps, window, margin, config)
 
     console.phase("keep the best: the best run's snapshot and config stay active")
     best = study.the_best()
@@ -301,6 +281,136 @@ async def _loop(agent: Agent, args: argparse.Namespace, console: Console,
                 f"({largest.tool}); {sum(c.error for c in agent.calls)} error result(s)",
                 always=True)
     return _summary(result, report)
+
+
+async def _one_idea(agent: Agent, study: Study, idea: Idea, repo: Path, steps: int,
+                    window: int, margin: float, config: dict[str, Any]) -> dict[str, Any]:
+    """One idea on the default run, judged against the best run so far; the config now."""
+    console = agent.console
+    n = IDEAS.index(idea) + 1
+    best = study.the_best()
+    console.phase(f"idea {n} of {len(IDEAS)}, {idea.title}; the best so far: {best.label}")
+    console.wrapped(f"Hypothesis: {idea.hypothesis}")
+    console.wrapped(f"Null: {idea.null}")
+    console.wrapped(f"Judged by {METRIC} (the raw task measure, untouched by reward or "
+                    f"advantage processing), the mean over the last {window} step(s), "
+                    f"against {best.label}'s {best.mean:.3f}; a difference under {margin} "
+                    "is noise.")
+    run = RunRecord(label=f"{n}-{idea.key}", idea=idea, config=config)
+    if idea.kind == "code" and idea.edit is not None:
+        run.diff = idea.edit(repo)
+        console.say(f"  edited {idea.module} in the repository "
+                    f"({run.diff.count(chr(10))} diff lines)")
+        synced = await agent.sync(f"idea {n}")
+        run.approval, run.server_path = synced["approval_text"], synced["server_path"]
+    elif idea.change is not None:
+        run.config_change = idea.change(best.config)
+        configured = await agent.call("configure", **run.config_change)
+        console.say(f"  configure (no sync; the code stays {best.snapshot_id[:12]}): "
+                    f"{configured['message']}")
+        config = run.config = configured["config"]
+    await _train(agent, run, steps)
+    study.add(run)
+    if run.failed:
+        return await _recover(agent, study, run, repo, steps, config)
+    run.mean = await agent.window_mean(run.run_id, window)
+    run.compared_with = best.label
+    run.verdict = judge(best.mean, run.mean, margin=margin)
+    console.say(verdict_text(run.verdict, best_label=best.label, best=best.mean,
+                             new=run.mean, window=window, margin=margin), always=True)
+    if run.verdict == "held":
+        study.best = run
+        if idea.module:
+            keep_edit(repo, idea.module, f"keep: {idea.title}")
+        run.decision = (f"Kept: {run.label} is the new best run (snapshot "
+                        f"{run.snapshot_id[:12]}, lr {run.config.get('lr')}).")
+    else:
+        run.decision, config = await keep_best(agent, study, config)
+        if idea.module:
+            revert_edit(repo, idea.module)
+            run.decision += f" It undid the edit of {idea.module} in its repository."
+    console.say(f"Decision: {run.decision}", always=True)
+    return config
+
+
+async def _side_by_side(agent: Agent, study: Study, ideas: list[Idea], repo: Path, steps: int,
+                        window: int, margin: float, config: dict[str, Any]) -> dict[str, Any]:
+    """Ideas that train at once, each a named run judged against the best run before them.
+
+    A code idea is synced (its snapshot becomes the active one) and its run is pinned to
+    that snapshot id; a config idea's run is pinned to the best run's snapshot with its
+    changed fields (`start_engine(config=...)`), so the stored config stays the best
+    run's. Afterwards the best of the runs that beat the baseline by more than the margin
+    is kept, and everything else is undone. Returns the config now stored.
+    """
+    console = agent.console
+    best = study.the_best()
+    numbers = [IDEAS.index(i) + 1 for i in ideas]
+    console.phase(f"ideas {' and '.join(map(str, numbers))} of {len(IDEAS)} side by side, "
+                  f"two named runs on their own device slots; the best so far: {best.label}")
+    pairs: list[tuple[RunRecord, dict[str, Any]]] = []
+    for n, idea in zip(numbers, ideas, strict=True):
+        console.wrapped(f"Idea {n}, {idea.title}. Hypothesis: {idea.hypothesis}")
+        console.wrapped(f"Null: {idea.null}")
+        run = RunRecord(label=f"{n}-{idea.key}", idea=idea, config=config)
+        if idea.kind == "code" and idea.edit is not None:
+            run.diff = idea.edit(repo)
+            console.say(f"  edited {idea.module} in the repository "
+                        f"({run.diff.count(chr(10))} diff lines)")
+            synced = await agent.sync(f"idea {n}")
+            run.approval, run.server_path = synced["approval_text"], synced["server_path"]
+            # pinned to its own snapshot: a later sync or activate does not move it
+            pairs.append((run, {"snapshot_id": synced["snapshot_id"]}))
+        elif idea.change is not None:
+            run.config_change = idea.change(best.config)
+            run.config = {**config, **run.config_change}
+            run.server_path = best.server_path
+            console.say(f"  config {run.config_change} for its run alone, no configure and no "
+                        f"sync: the code stays {best.label}'s {best.snapshot_id[:12]}")
+            pairs.append((run, {"snapshot_id": best.snapshot_id,
+                                "config": run.config_change}))
+    console.wrapped(f"Each judged by {METRIC}, the mean over the last {window} step(s), "
+                    f"against {best.label}'s {best.mean:.3f}; a difference under {margin} is "
+                    "noise.")
+    await agent.train_together(pairs, steps, workflow=WORKFLOW, n_workers=N_WORKERS)
+    held: list[RunRecord] = []
+    for run, _ in pairs:
+        study.add(run)
+        if run.failed:
+            run.verdict = "failed"
+            reason = run.failure.reason if run.failure else "no reason given"
+            run.decision = (f"Not kept: its engine died ({reason}); engine_status and "
+                            f"read_logs with run_id={run.label} say why.")
+            continue
+        run.mean = await agent.window_mean(run.run_id, window)
+        run.compared_with = best.label
+        run.verdict = judge(best.mean, run.mean, margin=margin)
+        console.say(f"[{run.label}] " + verdict_text(
+            run.verdict, best_label=best.label, best=best.mean, new=run.mean, window=window,
+            margin=margin), always=True)
+        if run.verdict == "held":
+            held.append(run)
+    winner = max(held, key=lambda r: r.mean or 0.0, default=None)
+    if winner is not None:
+        study.best = winner
+    undone, config = await keep_best(agent, study, config)
+    for run, _ in pairs:
+        module = run.idea.module if run.idea else None
+        if run is winner:
+            if module:
+                keep_edit(repo, module, f"keep: {run.idea.title if run.idea else run.label}")
+            run.decision = (f"Kept: {run.label} is the new best run (snapshot "
+                            f"{run.snapshot_id[:12]}, lr {run.config.get('lr')}); the cluster "
+                            "has its code and config active.")
+        elif not run.failed:
+            beaten = (f" {winner.label} beat it." if winner is not None and run in held
+                      else "")
+            run.decision = f"{undone}{beaten}"
+        if run is not winner and module:
+            revert_edit(repo, module)
+            run.decision += f" It undid the edit of {module} in its repository."
+        console.say(f"Decision on {run.label}: {run.decision}", always=True)
+    return config
 
 
 async def _compare(agent: Agent, study: Study) -> dict[str, Any]:
@@ -334,7 +444,8 @@ async def keep_best(agent: Agent, study: Study, config: dict[str, Any], *, final
     """
     best = study.the_best()
     done: list[str] = []
-    status = await agent.call("engine_status")
+    # the default run's status names the active snapshot (a named run's, its own)
+    status = await agent.call("engine_status", run_id="current")
     if status["snapshot_id"] != best.snapshot_id:
         back = await agent.call("activate_snapshot", snapshot_id=best.snapshot_id)
         done.append(f"rolled the cluster back to {best.label}'s snapshot "
@@ -346,10 +457,10 @@ async def keep_best(agent: Agent, study: Study, config: dict[str, Any], *, final
         config, config_hash = configured["config"], configured["config_hash"]
         if fields:
             sent = ", ".join(f"{k}={v}" for k, v in fields.items())
-            done.append(f"set {sent} back with configure")
+            done.append(f"set {sent} with configure ({best.label}'s config)")
     if final:
         # check what the server says now, not what the agent believes it did
-        active = (await agent.call("engine_status"))["snapshot_id"]
+        active = (await agent.call("engine_status", run_id="current"))["snapshot_id"]
         if active != best.snapshot_id or config != best.config:
             wrong = [k for k in sorted(set(config) | set(best.config))
                      if config.get(k) != best.config.get(k)]
@@ -436,6 +547,7 @@ def _summary(result: LoopResult, report: Path) -> dict[str, Any]:
     """The results as JSON (`--summary-json`): what the test of the whole loop checks."""
     study = result.study
     best = study.the_best()
+    labels = {r.run_id: r.label for r in study.runs}
 
     def run_json(r: RunRecord) -> dict[str, Any]:
         return {"label": r.label, "kind": r.idea.kind if r.idea else None,
@@ -443,7 +555,7 @@ def _summary(result: LoopResult, report: Path) -> dict[str, Any]:
                 "ajet_file": r.ajet_file, "status": r.status, "steps": sorted(r.points),
                 "digit_share": r.values(), "mean": r.mean, "verdict": r.verdict,
                 "compared_with": r.compared_with, "decision": r.decision,
-                "config": r.config, "config_change": r.config_change,
+                "config": r.config, "config_change": r.config_change, "devices": r.devices,
                 "failure": None if r.failure is None else {
                     "reason": r.failure.reason, "error_line": r.failure.error_line,
                     "error_name": r.failure.error_name, "grep": r.failure.grep,
@@ -464,6 +576,8 @@ def _summary(result: LoopResult, report: Path) -> dict[str, Any]:
         "tool_calls": [{"tool": c.tool, "arguments": c.arguments, "bytes": c.bytes,
                         "error": c.error, "next_calls": list(c.next_calls)}
                        for c in result.calls],
+        "side_by_side": [{"runs": [labels.get(i, i) for i in o["runs"]], "seconds": o["seconds"]}
+                         for o in result.compared.get("side_by_side", [])],
         "compare": result.compared, "plot": str(result.plot), "report": str(report),
         "seconds": round(result.seconds, 1),
     }

@@ -3,11 +3,13 @@
 The slow tests run the real program as `make demo` does, with 1 step per run instead of
 12 and 4 episodes per task: a real swarm server it starts itself, the real engine,
 `ajet-mcp` over stdio, a throwaway git repo. They check what a newcomer is promised:
-exit 0; a baseline and three ideas, one of which kills the engine; the recovery chosen
-from what the tools said (engine_status, a literal read_logs search, activate_snapshot
-to the best run's snapshot, a restart that trains); the best run's code and config
-active at the end, as a fresh server on the same work directory reports; the human's
-approvals; every tool result within 8 KB; the plot and the report; no process left.
+exit 0; a baseline and three ideas, the first two side by side (two named runs at once
+on disjoint device slots of a `--devices 2` server), the third killing the engine; the
+recovery chosen from what the tools said (engine_status, a literal read_logs search,
+activate_snapshot to the best run's snapshot, a restart that trains); the best run's
+code and config active at the end, as a fresh server on the same work directory
+reports; the human's approvals; every tool result within 8 KB; the plot and the report;
+no process left.
 
 `--margin 1` makes every idea "not better than noise", so the agent must undo each one:
 the test then knows the best run (the baseline) in advance and fails if the undo or the
@@ -209,8 +211,18 @@ def test_demo_runs_three_ideas_recovers_keeps_the_best_and_reports(tmp_path: Pat
         assert run["verdict"] == judge(base["mean"], run["mean"], margin=1.0) == "inconclusive"
     assert runs["1-positive-advantages"]["snapshot_id"] != base["snapshot_id"]
     assert runs["2-double-lr"]["config"]["lr"] == 2 * base["config"]["lr"]
-    # keep the best: idea 1's code was rolled back before idea 2 ran, idea 2's config before
-    # idea 3 ran, and the baseline's code and config are what the server has active now
+    # ideas 1 and 2 trained at once: two named runs, each on device slots of its own, the
+    # code idea pinned to its own snapshot and the config idea to the baseline's
+    one, two = runs["1-positive-advantages"], runs["2-double-lr"]
+    pair = next(o for o in summary["side_by_side"]
+                if sorted(o["runs"]) == ["1-positive-advantages", "2-double-lr"])
+    assert pair["seconds"] > 0
+    assert one["devices"] and two["devices"] and not set(one["devices"]) & set(two["devices"])
+    assert [r["name"] for r in summary["compare"]["runs"][1:3]] == [one["label"], two["label"]]
+    assert "  start_engine(name='2-double-lr'): run " in out
+    # keep the best: idea 2 ran on the baseline's code (not idea 1's, active after its
+    # sync), idea 1's code and idea 2's config were undone before idea 3 ran, and the
+    # baseline's code and config are what the server has active now
     assert runs["2-double-lr"]["snapshot_id"] == base["snapshot_id"]
     assert runs["3-sqrt-rewards"]["config"] == base["config"]
     assert summary["best"] == "baseline" and summary["best_config"] == base["config"]
@@ -231,6 +243,8 @@ def test_demo_runs_three_ideas_recovers_keeps_the_best_and_reports(tmp_path: Pat
     text = report.read_text()
     for needle in ("## In short", "## Runs", "![digit share of every run](rewards.png)",
                    "### The recovery, call by call", "## Approvals", "## Tool results",
+                   "## Side by side", "- `1-positive-advantages` and `2-double-lr` ran at "
+                   "the same time for",
                    "TypeError", "**The best run is `baseline`**"):
         assert needle in text, needle
     for run in summary["runs"]:

@@ -341,6 +341,97 @@ class Agent:
                          f"({stopped['engine_state']}); {target} steps in {run.seconds:.0f} s")
         return run
 
+    async def train_together(self, runs: Sequence[tuple[RunRecord, dict[str, Any]]],
+                             steps: int, *, workflow: str, n_workers: int) -> None:
+        """Several named runs at once: start each, then its rollouts, then poll them all.
+
+        `runs` pairs each record with what its `start_engine` call adds to the name
+        (`snapshot_id`, `config`). Every run is started without waiting (`wait_s=0`), so
+        the engines boot together; each gets its rollouts once `engine_status` shows it
+        serving, and is stopped (its rollouts with it) once it has `steps` steps, while
+        the others go on. A run whose engine dies comes back with `status="failed"`.
+        """
+        t0 = time.monotonic()
+        for run, start in runs:
+            started = await self.call("start_engine", name=run.label, wait_s=0, **start)
+            run.run_id, run.snapshot_id = started["run_id"], started["snapshot_id"]
+            run.devices = list(started.get("devices") or [])
+            self.console.say(f"  start_engine(name={run.label!r}): run {run.run_id} "
+                             f"{started['status']} on device slot(s) {run.devices} with "
+                             f"snapshot {run.snapshot_id[:12]}")
+            self.choose(started["message"], ["engine_status", "start_rollouts"])
+        waiting = {run.label: run for run, _ in runs}
+        while waiting:  # each run gets its rollouts as soon as it serves
+            await anyio.sleep(POLL_S)
+            for label, run in list(waiting.items()):
+                status = await self.call("engine_status", run_id=label)
+                if status["engine_state"] in _SERVING:
+                    run.ajet_file = status.get("ajet_file")
+                    run.devices = list(status.get("devices") or run.devices)
+                    rollouts = await self.call("start_rollouts", workflow=workflow,
+                                               n_workers=n_workers, run_id=label)
+                    self.console.say(f"  start_rollouts(run_id={label!r}): "
+                                     f"{rollouts['handle']}, {rollouts['n_workers']} "
+                                     f"worker(s) after {time.monotonic() - t0:.0f} s")
+                    del waiting[label]
+                elif status["engine_state"] == EngineState.OFFLINE.value and (
+                        (status.get("last_error") or {}).get("run_id") == run.run_id):
+                    error = status["last_error"]
+                    run.status = "failed"
+                    run.failure = Failure(reason=error.get("reason", ""),
+                                          exit_code=error.get("exit_code"), status=status,
+                                          first_call=len(self.calls) - 1)
+                    del waiting[label]
+                elif time.monotonic() - t0 > STEP_TIMEOUT_S:
+                    raise ToolFailed(f"run {label} did not serve in {STEP_TIMEOUT_S:.0f} s: "
+                                     f"{status['message']}")
+        active = await self.call("list_runs", state="active")
+        pool = active.get("devices") or {}
+        self.console.say("  list_runs(state='active'): " + "; ".join(
+            f"{r.get('name') or r['run_id']} on {r.get('devices')} ({r.get('engine_state')})"
+            for r in active["runs"]) + f"; device pool: {pool.get('free')} of "
+            f"{pool.get('total')} slot(s) free")
+        training = {run.label: run for run, _ in runs if not run.failed}
+        last_progress = time.monotonic()
+        try:
+            while training:
+                await anyio.sleep(POLL_S)
+                for label, run in list(training.items()):
+                    status = await self.call("engine_status", run_id=label)
+                    got = await self.call("read_metrics", run_id=label,
+                                          metrics=["reward_mean", METRIC, "step_time_s"],
+                                          last_n=5)
+                    if self._add_points(run, got["recent"], steps):
+                        last_progress = time.monotonic()
+                    if len(run.points) >= steps:
+                        run.seconds = time.monotonic() - t0
+                        stopped = await self.call("stop_engine", run_id=label,
+                                                  reason=f"{label}: {steps} steps done")
+                        self.console.say(f"  stop_engine(run_id={label!r}): run {run.run_id} "
+                                         f"ended ({stopped['engine_state']}); {steps} steps "
+                                         f"after {run.seconds:.0f} s; its slot is free")
+                        del training[label]
+                    elif status["engine_state"] == EngineState.OFFLINE.value:
+                        error = status.get("last_error") or {}
+                        run.status = "failed"
+                        run.failure = Failure(reason=error.get("reason", "ended early"),
+                                              exit_code=error.get("exit_code"),
+                                              steps_done=len(run.points), status=status,
+                                              first_call=len(self.calls) - 2)
+                        self.console.say(f"  engine_status(run_id={label!r}): "
+                                         f"{status['message']}")
+                        await self.call("stop_engine", run_id=label, reason="its engine died")
+                        del training[label]
+                if training and time.monotonic() - last_progress > STEP_TIMEOUT_S:
+                    label = next(iter(training))
+                    logs = await self.call("read_logs", run_id=label, tail=20)
+                    raise ToolFailed(f"no new step of {', '.join(training)} in "
+                                     f"{STEP_TIMEOUT_S:.0f} s; the log of {label}:\n"
+                                     + "\n".join(logs["lines"]))
+        finally:
+            for run, _ in runs:
+                run.seconds = run.seconds or time.monotonic() - t0
+
     def _add_points(self, run: RunRecord, recent: list[dict[str, Any]], target: int) -> bool:
         new = [p for p in recent if p["step"] not in run.points and p["step"] <= target]
         for point in sorted(new, key=lambda p: p["step"]):

@@ -80,6 +80,8 @@ class RunRecord:
     server_path: str | None = None
     ajet_file: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    #: device slots the run held (runs started beside others, by name)
+    devices: list[int] = field(default_factory=list)
     points: dict[int, dict[str, Any]] = field(default_factory=dict)
     seconds: float = 0.0
     status: Literal["ended", "failed"] = "ended"

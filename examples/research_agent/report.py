@@ -17,7 +17,8 @@ from typing import Any
 from examples.research_agent.agent import CallRecord
 from examples.research_agent.judging import METRIC, RunRecord, Study, verdict_text
 
-__all__ = ["LoopResult", "config_differences", "results_table", "write_plot", "write_report"]
+__all__ = ["LoopResult", "config_differences", "results_table", "side_by_side_section",
+           "write_plot", "write_report"]
 
 #: The budget the issue sets for one tool result (what the model reads).
 RESULT_BUDGET_BYTES = 8 * 1024
@@ -141,6 +142,53 @@ def _sizes(calls: list[CallRecord]) -> tuple[list[str], CallRecord]:
     return rows, max(calls, key=lambda c: c.bytes)
 
 
+def _overlaps(compared: dict[str, Any]) -> list[tuple[str, str, float]]:
+    """(run id, run id, seconds) of each pair `compare_runs` found running at the same time."""
+    return [(o["runs"][0], o["runs"][1], float(o["seconds"]))
+            for o in compared.get("side_by_side", []) if len(o.get("runs", [])) == 2]
+
+
+def _how_ideas_ran(study: Study, compared: dict[str, Any]) -> str:
+    labels = {r.run_id: r.label for r in study.runs}
+    pairs = [f"{labels.get(a, a)} and {labels.get(b, b)}" for a, b, _ in _overlaps(compared)]
+    if not pairs:
+        return "one at a time"
+    return f"{'; '.join(pairs)} side by side (two runs at once), the others one at a time"
+
+
+def side_by_side_section(study: Study, compared: dict[str, Any]) -> list[str]:
+    """Which runs ran together: from `compare_runs` (start, end, devices, overlaps)."""
+    rows = {r["run_id"]: r for r in compared.get("runs", [])}
+    by_id = {r.run_id: r for r in study.runs}
+    out = ["## Side by side", ""]
+    overlaps = _overlaps(compared)
+    if not overlaps:
+        return out + ["No two runs overlapped in time: every run ran alone.", ""]
+    for a, b, seconds in overlaps:
+        names = " and ".join(f"`{by_id[r].label if r in by_id else r}`" for r in (a, b))
+        out.append(f"- {names} ran at the same time for {seconds:.0f} s (`compare_runs` "
+                   "`side_by_side`), each on device slots of its own.")
+    out += ["", "| run | run id | snapshot | device slots | started | ended |",
+            "|---|---|---|---|---|---|"]
+    for run in study.runs:
+        row = rows.get(run.run_id, {})
+        devices = row.get("devices") or run.devices
+        out.append(f"| {run.label} | `{run.run_id or '-'}` | `{run.snapshot_id[:12]}` | "
+                   f"{', '.join(map(str, devices)) or '-'} | {row.get('started') or '-'} | "
+                   f"{row.get('ended') or '-'} |")
+    out += ["", "The runs side by side started together on a server with two device slots "
+            "(`--devices 2`), each pinned to its own snapshot: the code idea to the snapshot "
+            "its sync made, the config idea to the baseline's with its changed fields. Both "
+            "met the same first batches (same seed, one rollout worker each), and on a "
+            "2-core host they shared the CPU, so their step times are not the baseline's.",
+            ""]
+    return out
+
+
+def _names(compared: dict[str, Any]) -> set[str]:
+    return {r["name"] for r in compared.get("runs", []) if r.get("name")}
+
+
 def _run_sentence(run: RunRecord) -> str:
     if run.failed:
         return ("the engine died before its first step ended, so the idea itself was not "
@@ -170,11 +218,11 @@ def write_report(result: LoopResult, path: Path) -> None:
         "",
         "## In short",
         "",
-        f"The agent trained a baseline (GRPO as found) and then tested {len(ideas)} ideas, one "
-        f"at a time, each against the best run before it. It judged each by the mean share "
-        f"of digits in the replies (`{METRIC}`, logged by the workflow) over {span}; with one "
-        f"run each, a difference under {result.margin} counts as noise and the change is not "
-        "kept.",
+        f"The agent trained a baseline (GRPO as found) and then tested {len(ideas)} ideas, "
+        f"{_how_ideas_ran(study, compared)}, each against the best run before it. It judged "
+        f"each by the mean share of digits in the replies (`{METRIC}`, logged by the "
+        f"workflow) over {span}; with one run each, a difference under {result.margin} "
+        "counts as noise and the change is not kept.",
         "",
     ]
     for run in ideas:
@@ -226,8 +274,9 @@ def write_report(result: LoopResult, path: Path) -> None:
             f"{_config_text(config_differences(compared, run, base))} | {run.status} | "
             f"{_fmt(row.get('first'))} / {_fmt(row.get('last'))} / {_fmt(row.get('best'))} | "
             f"{_fmt(run.mean)} | {verdict} |")
-    out += ["", f"![digit share of every run]({_relative(result.plot, path)})", "",
-            "## Each idea", ""]
+    out += ["", f"![digit share of every run]({_relative(result.plot, path)})", ""]
+    out += side_by_side_section(study, compared)
+    out += ["## Each idea", ""]
     for run in ideas:
         idea = run.idea
         out += [f"### {run.label}: {idea.title}", "",
@@ -237,8 +286,10 @@ def write_report(result: LoopResult, path: Path) -> None:
                        f"({run.approval or 'approval not recorded'}).")
         else:
             sent = ", ".join(f"{k}={v}" for k, v in run.config_change.items())
-            out.append(f"- Change: `configure({sent})`, no sync: the code stayed "
-                       f"`{run.snapshot_id[:12]}`.")
+            how = (f"`start_engine(name={run.label!r}, config={run.config_change})` beside "
+                   "the other run" if run.devices or run.label in _names(compared)
+                   else f"`configure({sent})`")
+            out.append(f"- Change: {how}, no sync: the code stayed `{run.snapshot_id[:12]}`.")
         if run.failed and run.failure is not None:
             fail = run.failure
             out.append(f"- Outcome: the engine died ({fail.reason}). {fail.describe()}.")
