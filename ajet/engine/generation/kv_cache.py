@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "GPU_MAX_BATCH_TOKENS",
     "CachePlan",
     "CacheTooSmall",
     "ModelGeometry",
@@ -49,6 +50,12 @@ MiB = 1024**2
 #: are short; transformers' default on GPU, where the fast decode kernels expect it.
 CPU_PAGE_SIZE = 32
 GPU_PAGE_SIZE = 256
+#: Tokens per forward pass on GPU when the cache is capped: transformers' own default.
+#: It must be given whenever `num_blocks` is: given one of the two, transformers (5.17)
+#: solves for the other so that its footprint fills `max_memory_percent`, and a solved
+#: batch size preallocates attention masks and logits for tens of thousands of tokens
+#: (measured on an H200: 46 GiB allocated for a 0.5B model whose plan was 13 GiB).
+GPU_MAX_BATCH_TOKENS = 8192
 #: Bytes per token of the read index (int64).
 _INDEX_BYTES = 8
 
@@ -172,7 +179,7 @@ def plan_gpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tok
     # transformers fills the budget itself
     num_blocks = need if need * page_size * kv < budget // 2 else None
     return CachePlan(device="cuda", page_size=page_size, num_blocks=num_blocks,
-                     max_batch_tokens=None,
+                     max_batch_tokens=None if num_blocks is None else GPU_MAX_BATCH_TOKENS,
                      max_memory_percent=min(1.0, budget / max(free_bytes, 1)),
                      max_requests_per_batch=max(1, concurrency),
                      kv_bytes_per_token=kv, budget_bytes=budget,

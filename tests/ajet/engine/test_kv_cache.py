@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ajet.engine.generation.kv_cache import (
+    GPU_MAX_BATCH_TOKENS,
     CacheTooSmall,
     ModelGeometry,
     plan_cpu_cache,
@@ -58,6 +59,10 @@ def test_gpu_cache_gets_what_the_utilisation_leaves() -> None:
                            total_bytes=80 * GiB, free_bytes=50 * GiB,
                            gpu_memory_utilization=0.85)
     assert small.num_blocks == 8 * 4  # 1000 tokens = 4 pages of 256, for each of 8
+    # a capped cache names its batch size too: left open, transformers 5.17 solves it to
+    # fill the budget with attention masks and logits the planner never counted
+    assert small.max_batch_tokens == GPU_MAX_BATCH_TOKENS
+    assert plan.max_batch_tokens is None  # uncapped: transformers' default, then the blocks
     with pytest.raises(CacheTooSmall) as refused:
         plan_gpu_cache(geometry, dtype_bytes=2, max_request_tokens=18_000, concurrency=1,
                        total_bytes=80 * GiB, free_bytes=13 * GiB,
