@@ -127,6 +127,9 @@ def test_a_dead_standby_means_a_cold_start_and_a_new_standby(warm_server: Server
         client.submit_config(AgentJetJob(experiment_name="cold"))
         dead = standby_pid(warm_server)
         os.kill(dead, signal.SIGKILL)
+        # dead, not dying: on a busy machine the signal may not have landed yet when the
+        # start arrives, and a standby that dies after taking the order is a failed start
+        assert wait_gone(dead)
         status = client.start_run(wait=True, wait_timeout=30)
         assert status.pid is not None and status.pid != dead
         assert WARM_LINE not in engine_log(warm_server, status)
