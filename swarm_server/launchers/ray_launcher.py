@@ -65,6 +65,10 @@ _REFUSED_CODE = 3
 _TAIL_LINES = 20
 #: A Jobs API silent this long means the cluster's head is gone, and the run with it.
 UNREACHABLE_AFTER_S = 60.0
+#: How long a submission waits for the head's job agent (a cluster that just started).
+AGENT_WAIT_S = 60.0
+#: Ray's answer while the head has no job agent to take a submission.
+_NO_AGENT = "No available agent to submit job"
 
 
 class RayPlacementRefused(SwarmHTTPError):
@@ -215,15 +219,10 @@ class RaySpawner:
         run = _RayRun(job_id=job_id, socket_path=socket_path, log_path=spec.log_path,
                       token=token)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._client.submit_job(
-                entrypoint=f"{shlex.quote(self.settings.engine_python)} -m ajet_ray_job",
-                submission_id=job_id, runtime_env=runtime_env,
-                metadata={"ajet_run_id": run_id,
-                          "ajet_workdir": str(self.settings.workdir.resolve())})
-        except Exception as exc:  # noqa: BLE001 - whatever Ray's client raises
-            raise OSError(f"cannot submit run {run_id} to the Ray cluster at "
-                          f"{self.settings.ray_address}: {exc}") from exc
+        self._submit(run_id, entrypoint=f"{shlex.quote(self.settings.engine_python)} -m "
+                     "ajet_ray_job", submission_id=job_id, runtime_env=runtime_env,
+                     metadata={"ajet_run_id": run_id,
+                               "ajet_workdir": str(self.settings.workdir.resolve())})
         with self._lock:
             self._runs[socket_path] = run
         threading.Thread(target=self._follow, args=(run,), daemon=True,
@@ -328,6 +327,26 @@ class RaySpawner:
         return stopped
 
     # ------------------------------------------------------------------ internals
+
+    def _submit(self, run_id: str, **job: Any) -> None:
+        """`submit_job`, again while the head has no job agent yet (a cluster just started:
+        Ray answers 500 "No available agent ... try again later"), up to
+        `AGENT_WAIT_S`; OSError naming the cluster otherwise."""
+        deadline = time.monotonic() + min(AGENT_WAIT_S, self.settings.ray_submit_timeout_s)
+        delay = 0.5
+        while True:
+            try:
+                self._client.submit_job(**job)
+                return
+            except Exception as exc:  # noqa: BLE001 - whatever Ray's client raises
+                if _NO_AGENT in str(exc) and time.monotonic() + delay < deadline:
+                    log.info("run %s: the Ray head has no job agent yet; submitting again "
+                             "in %.1f s", run_id, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                raise OSError(f"cannot submit run {run_id} to the Ray cluster at "
+                              f"{self.settings.ray_address}: {exc}") from exc
 
     def _stop_job(self, run: _RayRun) -> None:
         try:

@@ -143,10 +143,15 @@ class _FakeJobs:
     """The part of Ray's `JobSubmissionClient` the spawner uses: the job is placed at once,
     then the Jobs API stops answering (the head lost)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, agentless: int = 0) -> None:
         self.submitted: list[dict[str, Any]] = []
+        self.agentless = agentless  # submissions answered as by a head just started
 
     def submit_job(self, **kwargs: Any) -> str:
+        if self.agentless > 0:
+            self.agentless -= 1
+            raise RuntimeError("Request failed with status code 500: No available agent to "
+                               "submit job, please try again later.")
         self.submitted.append(kwargs)
         return str(kwargs["submission_id"])
 
@@ -178,7 +183,7 @@ def _spawn_spec(tmp_path: Path, settings: Settings) -> SpawnSpec:
 def test_the_snapshot_travels_as_the_jobs_package_unless_the_workdir_is_shared(
         tmp_path: Path, shared: bool) -> None:
     settings = Settings(workdir=tmp_path, launcher="ray", ray_shared_workdir=shared)
-    jobs = _FakeJobs()
+    jobs = _FakeJobs(agentless=1)  # submitted again once the head has its job agent
     spawner = RaySpawner(settings, jobs, unreachable_after_s=0.3)
     spec = _spawn_spec(tmp_path, settings)
     handle = spawner.start(spec)
