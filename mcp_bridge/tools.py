@@ -618,10 +618,14 @@ def list_runs(bridge: Bridge, *, state: Literal["active", "ended", "all"] | None
         pool = DevicePool(kind=d.kind, total=d.total, free=d.free, held=d.held, queued=d.queued)
         names = {r.run_id: r.name or r.run_id for r in page.runs}
         held = "; ".join(f"{names.get(rid, rid)} on {slots}" for rid, slots in d.held.items())
-        message += (f" Devices ({d.kind}): {len(d.free)} of {d.total} free"
-                    + (f"; {held}" if held else "")
-                    + (f"; queued: {', '.join(names.get(q, q) for q in d.queued)}"
-                       if d.queued else "") + ".")
+        if d.kind == "ray":  # no slots here: a run the cluster cannot hold is refused
+            message += (" Devices: on a Ray cluster (the server's Ray launcher reserves each "
+                        "run's nodes and GPUs there, and refuses a start it cannot hold).")
+        else:
+            message += (f" Devices ({d.kind}): {len(d.free)} of {d.total} free"
+                        + (f"; {held}" if held else "")
+                        + (f"; queued: {', '.join(names.get(q, q) for q in d.queued)}"
+                           if d.queued else "") + ".")
     if next_offset is not None:
         message += f" More: {ToolName.LIST_RUNS} with offset={next_offset}."
     message += (f" Next: {ToolName.COMPARE_RUNS} with two or more run ids (or names); "

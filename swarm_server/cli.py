@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--ray-address", default=None, metavar="URL",
                        help="the Ray cluster's Jobs API address (default "
                             "http://127.0.0.1:8265)")
+    start.add_argument("--ray-shared-workdir", action="store_true",
+                       help="under --launcher ray: --workdir is the same path on every Ray "
+                            "node (a shared filesystem); ranks import the snapshot from it "
+                            "instead of from a package Ray ships to each node")
     start.add_argument("--new-ledger", action="store_true",
                        help="start a fresh ledger when the ledger file is empty or "
                             "unreadable (the old file is moved aside); without it the server "
@@ -150,6 +154,8 @@ def _start(args: argparse.Namespace) -> int:
                                    ("ray_address", args.ray_address)) if v is not None}
         if args.new_ledger:
             given["new_ledger"] = True
+        if args.ray_shared_workdir:
+            given["ray_shared_workdir"] = True
         if args.devices is not None:
             given["devices"] = args.devices
         settings = Settings(host=args.host, port=args.swarm_port, workdir=workdir, **given)

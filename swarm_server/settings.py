@@ -137,6 +137,12 @@ class Settings(BaseSettings):
         description="AJET_SWARM_RAY_SUBMIT_TIMEOUT_S: from submitting a run's Ray job to its "
                     "placement (Ray sets up the job's runtime_env: uploads and unpacks the "
                     "code)")
+    ray_shared_workdir: bool = Field(
+        default=False,
+        description="AJET_SWARM_RAY_SHARED_WORKDIR (`--ray-shared-workdir`): the server's "
+                    "work directory is the same path on every Ray node (a shared "
+                    "filesystem), so a run's ranks import the snapshot from it instead of "
+                    "from a runtime_env package Ray uploads and unpacks on each node")
     ray_cpus_per_gpu: float = Field(
         default=1.0, ge=0, le=1024,
         description="AJET_SWARM_RAY_CPUS_PER_GPU: CPUs a GPU run's bundle reserves per GPU "
@@ -336,6 +342,17 @@ class Settings(BaseSettings):
         found = [t.get_secret_value() for t in (self.token, self.worker_token) if t]
         found += list(self._approvers.values())
         return sorted(set(found), key=len, reverse=True)
+
+    @model_validator(mode="after")
+    def _engine_python_everywhere(self) -> Settings:
+        # A Ray job's entrypoint runs on whichever node Ray picks, with that node's PATH:
+        # only an absolute path names the same interpreter on every node
+        if self.launcher == "ray" and not Path(self.engine_python).is_absolute():
+            raise ValueError(
+                f"AJET_SWARM_ENGINE_PYTHON={self.engine_python!r}: under --launcher ray the "
+                "engine's interpreter must be an absolute path, the same on every Ray node "
+                "(e.g. /opt/venv/bin/python)")
+        return self
 
     @model_validator(mode="after")
     def _refuse_open_public_bind(self) -> Settings:

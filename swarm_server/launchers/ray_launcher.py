@@ -3,11 +3,12 @@
 The server stays the one control plane; each run becomes one Ray job (Ray's Jobs API):
 
 - `start` submits the job: the active snapshot's folder is the job's `working_dir` (Ray
-  packages it, content-addressed, and unpacks it once per node; with no snapshot the
-  server's own `ajet/` goes as a py_module), the driver package `ajet_ray_job` goes as a
-  py_module, and the run's spec (job shape, engine arguments, the engine's environment as
-  the local launcher builds it, a fresh bearer token for rank 0's channel) in the job's
-  environment. The entrypoint is the engine's interpreter by its absolute path. `start`
+  packages it, content-addressed, and unpacks it once per node; under
+  `--ray-shared-workdir` the nodes import it from the server's path instead; with no
+  snapshot the server's own `ajet/` goes as a py_module), the driver package
+  `ajet_ray_job` goes as a py_module, and the run's spec (job shape, engine arguments,
+  the engine's environment as the local launcher builds it, a fresh bearer token for
+  rank 0's channel) in the job's environment. The entrypoint is the engine's interpreter by its absolute path. `start`
   returns once the driver placed the run (every node's torchrun started), and raises
   `RayPlacementRefused` (409, with what Ray reports free) when the cluster cannot hold
   it; the controller records that run as failed and answers the 409.
@@ -62,6 +63,12 @@ _TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
 _REFUSED_CODE = 3
 #: Lines of the job's log kept for an error message.
 _TAIL_LINES = 20
+#: A Jobs API silent this long means the cluster's head is gone, and the run with it.
+UNREACHABLE_AFTER_S = 60.0
+#: How long a submission waits for the head's job agent (a cluster that just started).
+AGENT_WAIT_S = 60.0
+#: Ray's answer while the head has no job agent to take a submission.
+_NO_AGENT = "No available agent to submit job"
 
 
 class RayPlacementRefused(SwarmHTTPError):
@@ -137,9 +144,11 @@ class _RayRun:
 class RaySpawner:
     """`Spawner` + probe factory + channel targets for runs placed on a Ray cluster."""
 
-    def __init__(self, settings: Settings, client: Any | None = None) -> None:
+    def __init__(self, settings: Settings, client: Any | None = None, *,
+                 unreachable_after_s: float = UNREACHABLE_AFTER_S) -> None:
         self.settings = settings
         self._client = client
+        self.unreachable_after_s = unreachable_after_s
         self._lock = threading.Lock()
         self._runs: dict[str, _RayRun] = {}  # by the run's socket path (its key in the engine)
 
@@ -187,6 +196,10 @@ class RaySpawner:
                                  "VIRTUAL_ENV")},
             "token": token, "grace_s": grace_s,
             "placement_timeout_s": self.settings.ray_placement_timeout_s,
+            # a shared work directory: every node imports the snapshot from the server's
+            # path (None: from the job's working_dir package, wherever Ray unpacked it)
+            "code_base": base if base is not None and self.settings.ray_shared_workdir
+            else None,
         }
         py_modules = [str(DRIVER_DIR)]
         runtime_env: dict[str, Any] = {
@@ -196,7 +209,8 @@ class RaySpawner:
             "py_modules": py_modules,
         }
         if base is not None:
-            runtime_env["working_dir"] = base
+            if not self.settings.ray_shared_workdir:
+                runtime_env["working_dir"] = base
         else:  # the server's own code: its ajet/ folder, packaged the same way
             import ajet
 
@@ -205,15 +219,10 @@ class RaySpawner:
         run = _RayRun(job_id=job_id, socket_path=socket_path, log_path=spec.log_path,
                       token=token)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            self._client.submit_job(
-                entrypoint=f"{shlex.quote(self.settings.engine_python)} -m ajet_ray_job",
-                submission_id=job_id, runtime_env=runtime_env,
-                metadata={"ajet_run_id": run_id,
-                          "ajet_workdir": str(self.settings.workdir.resolve())})
-        except Exception as exc:  # noqa: BLE001 - whatever Ray's client raises
-            raise OSError(f"cannot submit run {run_id} to the Ray cluster at "
-                          f"{self.settings.ray_address}: {exc}") from exc
+        self._submit(run_id, entrypoint=f"{shlex.quote(self.settings.engine_python)} -m "
+                     "ajet_ray_job", submission_id=job_id, runtime_env=runtime_env,
+                     metadata={"ajet_run_id": run_id,
+                               "ajet_workdir": str(self.settings.workdir.resolve())})
         with self._lock:
             self._runs[socket_path] = run
         threading.Thread(target=self._follow, args=(run,), daemon=True,
@@ -319,6 +328,26 @@ class RaySpawner:
 
     # ------------------------------------------------------------------ internals
 
+    def _submit(self, run_id: str, **job: Any) -> None:
+        """`submit_job`, again while the head has no job agent yet (a cluster just started:
+        Ray answers 500 "No available agent ... try again later"), up to
+        `AGENT_WAIT_S`; OSError naming the cluster otherwise."""
+        deadline = time.monotonic() + min(AGENT_WAIT_S, self.settings.ray_submit_timeout_s)
+        delay = 0.5
+        while True:
+            try:
+                self._client.submit_job(**job)
+                return
+            except Exception as exc:  # noqa: BLE001 - whatever Ray's client raises
+                if _NO_AGENT in str(exc) and time.monotonic() + delay < deadline:
+                    log.info("run %s: the Ray head has no job agent yet; submitting again "
+                             "in %.1f s", run_id, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                raise OSError(f"cannot submit run {run_id} to the Ray cluster at "
+                              f"{self.settings.ray_address}: {exc}") from exc
+
     def _stop_job(self, run: _RayRun) -> None:
         try:
             self._client.stop_job(run.job_id)
@@ -377,23 +406,41 @@ class RaySpawner:
     def _await_end(self, run: _RayRun) -> None:
         info = None
         delay = 0.2
+        silent_since: float | None = None
         while True:
             try:
                 info = self._client.get_job_info(run.job_id)
+                silent_since = None
                 if str(info.status) in _TERMINAL:
                     break
             except Exception as exc:  # noqa: BLE001 - the dashboard restarting: retry
                 log.debug("Ray get_job_info(%s): %s", run.job_id, exc)
+                now = time.monotonic()
+                silent_since = silent_since if silent_since is not None else now
+                if now - silent_since > self.unreachable_after_s:
+                    # the head is gone: its driver with it, and each node's agent (and so
+                    # its torchrun) once its raylet gives up on the head
+                    info = None
+                    detail = (f"the Ray cluster at {self.settings.ray_address} stopped "
+                              f"answering for {self.unreachable_after_s:g} s (its head node "
+                              f"lost?): {type(exc).__name__}: {str(exc)[:200]}")
+                    if run.verdict is None:
+                        run.verdict = {"event": "exit", "code": 1, "detail": detail,
+                                       "stopped": False}
+                    break
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
-        run.status = str(info.status)
+        run.status = str(info.status) if info is not None else "UNREACHABLE"
         if run.verdict is not None and isinstance(run.verdict.get("code"), int):
             run.returncode = int(run.verdict["code"])
-        elif info.driver_exit_code is not None:
+        elif info is not None and info.driver_exit_code is not None:
             run.returncode = int(info.driver_exit_code)
         else:  # killed before its verdict (Ray's SIGKILL after a stop, a lost head)
             run.returncode = -15 if run.status == "STOPPED" else 1
-        if run.verdict is None and run.status != "STOPPED":
+        if info is None:
+            with open(run.log_path, "a", encoding="utf-8") as out:
+                out.write(f"[ray job] {run.job_id}: {(run.verdict or {}).get('detail')}\n")
+        elif run.verdict is None and run.status != "STOPPED":
             with open(run.log_path, "a", encoding="utf-8") as out:
                 out.write(f"[ray job] {run.job_id} {run.status}: {info.message or ''}\n")
         run.placed.set()

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,8 +97,10 @@ class ServerHandle:
 
 
 def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: int | None = None,
-                 host: str = "127.0.0.1", timeout: float = 30.0) -> ServerHandle:
-    """Start a real swarm server subprocess and wait until /health answers."""
+                 host: str = "127.0.0.1", timeout: float = 30.0,
+                 args: Sequence[str] = ()) -> ServerHandle:
+    """Start a real swarm server subprocess and wait until /health answers (`args`: more
+    flags of `ajet-swarm start`)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = port or free_port()
     child_env = {k: v for k, v in os.environ.items()
@@ -111,7 +113,7 @@ def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: i
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={port}",
-             "--host", host, "--workdir", str(workdir)],
+             "--host", host, "--workdir", str(workdir), *args],
             stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
             cwd=workdir,
         )

@@ -63,3 +63,30 @@ def test_auto_start_on_a_laptop_only_install_names_the_extra(
     with pytest.raises(SwarmConnectionError, match=r"agentjet-swarm\[server\]"):
         SwarmClient(f"http://127.0.0.1:{free_port()}", auto_start_swarm_server=True,
                     swarm_workdir=tmp_path)
+
+
+def test_the_ray_launcher_without_ray_names_the_extra_and_the_local_one_needs_none(
+        tmp_path: Path) -> None:
+    no_ray = "import sys; sys.modules['ray'] = None"
+    started = _cli("start", "--workdir", str(tmp_path / "ray"), "--launcher", "ray", code=no_ray)
+    assert started.returncode == 2, started.stderr
+    assert "--launcher ray needs Ray" in started.stderr
+    assert "agentjet-swarm[ray]" in started.stderr
+    # the default launcher is the local one, and it runs without the extra
+    local = subprocess.run(
+        [sys.executable, "-c", f"{no_ray}\nfrom swarm_server.main import create_app\n"
+         "from swarm_server.settings import Settings\n"
+         "app = create_app(Settings(workdir=sys.argv[1], warm_standby=False))\n"
+         "print(app.state.ctx.settings.launcher)", str(tmp_path / "local")],
+        capture_output=True, text=True, timeout=60)
+    assert local.returncode == 0, local.stderr
+    assert local.stdout.split()[-1] == "local"
+
+
+def test_an_unreachable_ray_cluster_is_named_at_start(tmp_path: Path) -> None:
+    address = f"http://127.0.0.1:{free_port()}"
+    started = _cli("start", "--workdir", str(tmp_path), "--launcher", "ray",
+                   "--ray-address", address)
+    assert started.returncode == 2, started.stderr
+    assert f"cannot reach the Ray cluster's Jobs API at {address}" in started.stderr
+    assert "--ray-address" in started.stderr

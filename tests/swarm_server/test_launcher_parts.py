@@ -1,6 +1,8 @@
 """The Ray launcher's parts that need no Ray cluster: rank 0's private channel on TCP
 (bearer token, same routes, same client code), the multi-node job fields each launcher
-accepts, the nodes' memory for the planner, and the driver's verdict on who ended a run.
+accepts, the nodes' memory for the planner, the driver's verdict on who ended a run, and
+what the spawner submits (against a stand-in of Ray's Jobs client) and does when the
+cluster stops answering.
 
 The channel is the engine's own transport (`ChannelServer` with `BearerGuard`) on a real
 port of 127.0.0.1, spoken to by the server's `EngineChannel` and `TcpProbe`.
@@ -9,9 +11,11 @@ port of 127.0.0.1, spoken to by the server's `EngineChannel` and `TcpProbe`.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -22,9 +26,11 @@ from ajet.protocol import EngineReport, EngineState
 from swarm_server.config_check import launcher_problem
 from swarm_server.engine_channel import EngineChannel, TcpEndpoint
 from swarm_server.launchers.ajet_ray_job.__main__ import _verdict
-from swarm_server.launchers.ray_launcher import node_memory_env
+from swarm_server.launchers.ajet_ray_job.agent import _code_base
+from swarm_server.launchers.ajet_ray_job.wire import SPEC_ENV, marker
+from swarm_server.launchers.ray_launcher import RaySpawner, node_memory_env
 from swarm_server.settings import Settings
-from swarm_server.supervisor import TcpProbe
+from swarm_server.supervisor import SpawnSpec, TcpProbe
 
 TOKEN = "t" * 43
 
@@ -125,3 +131,82 @@ def test_the_driver_names_the_rank_that_ended_first() -> None:
     assert code == 1 and detail.startswith("rank 1 (pid 9) on node 1 (10.0.0.1, host h1")
     clean = [{"exit_code": 0, "first_end": None}, {"exit_code": 0, "first_end": None}]
     assert _verdict(clean, infos) == (0, "every node's engine exited with code 0")
+
+
+def test_under_ray_the_engine_interpreter_must_be_an_absolute_path(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="must be an absolute path, the same on every Ray"):
+        Settings(workdir=tmp_path, launcher="ray", engine_python="python3")
+    assert Settings(workdir=tmp_path, engine_python="python3").launcher == "local"  # default
+
+
+class _FakeJobs:
+    """The part of Ray's `JobSubmissionClient` the spawner uses: the job is placed at once,
+    then the Jobs API stops answering (the head lost)."""
+
+    def __init__(self, *, agentless: int = 0) -> None:
+        self.submitted: list[dict[str, Any]] = []
+        self.agentless = agentless  # submissions answered as by a head just started
+
+    def submit_job(self, **kwargs: Any) -> str:
+        if self.agentless > 0:
+            self.agentless -= 1
+            raise RuntimeError("Request failed with status code 500: No available agent to "
+                               "submit job, please try again later.")
+        self.submitted.append(kwargs)
+        return str(kwargs["submission_id"])
+
+    async def tail_job_logs(self, job_id: str) -> AsyncIterator[str]:
+        yield marker("placed", nodes=[{"index": 0, "ip": "10.0.0.1", "node_id": "n" * 12,
+                                       "pid": 4242, "start_time": 1.0}]) + "\n"
+        yield "[node 0] [rank 0] booting\n"
+
+    def get_job_info(self, job_id: str) -> Any:
+        raise ConnectionError("Failed to connect to Ray at address: http://head:8265")
+
+    def stop_job(self, job_id: str) -> bool:
+        raise ConnectionError("Failed to connect to Ray at address: http://head:8265")
+
+
+def _spawn_spec(tmp_path: Path, settings: Settings) -> SpawnSpec:
+    run_dir = tmp_path / "runs" / "r1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "job.yaml").write_text("nnodes: 2\nn_proc: 1\n", encoding="utf-8")
+    base = tmp_path / "snapshots" / "s1"
+    return SpawnSpec(argv=[settings.engine_python, "-m", settings.engine_module, "--run-id",
+                           "r1", "--run-dir", str(run_dir), "--socket", str(run_dir / "s")],
+                     cwd=run_dir, env={"ISOLATED_AGENTJET_BASE_DIR": str(base),
+                                       "HF_HOME": "/h", "PATH": "/server/bin"},
+                     log_path=run_dir / "engine.log")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_snapshot_travels_as_the_jobs_package_unless_the_workdir_is_shared(
+        tmp_path: Path, shared: bool) -> None:
+    settings = Settings(workdir=tmp_path, launcher="ray", ray_shared_workdir=shared)
+    jobs = _FakeJobs(agentless=1)  # submitted again once the head has its job agent
+    spawner = RaySpawner(settings, jobs, unreachable_after_s=0.3)
+    spec = _spawn_spec(tmp_path, settings)
+    handle = spawner.start(spec)
+    (sent,) = jobs.submitted
+    runtime_env = sent["runtime_env"]
+    run_spec = json.loads(runtime_env["env_vars"][SPEC_ENV])
+    base = spec.env["ISOLATED_AGENTJET_BASE_DIR"]
+    assert ("working_dir" in runtime_env) is not shared
+    assert run_spec["code_base"] == (base if shared else None)
+    if not shared:
+        assert runtime_env["working_dir"] == base
+    assert sent["entrypoint"].startswith(settings.engine_python + " ")
+    assert run_spec["nnodes"] == 2 and run_spec["bundle_cpus"] == 1
+    assert run_spec["env"] == {"ISOLATED_AGENTJET_BASE_DIR": base, "HF_HOME": "/h"}
+    # the Jobs API then stops answering: the run ends, saying so, instead of hanging
+    assert spawner.wait(handle, 10) and handle.returncode == 1
+    assert handle.detail is not None and "stopped answering for 0.3 s" in handle.detail
+    assert "stopped answering" in spec.log_path.read_text(encoding="utf-8")
+
+
+def test_a_node_without_the_shared_workdir_refuses_naming_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="not shared with it.*without --ray-shared-workdir"):
+        _code_base(str(tmp_path / "not-mounted-here"))
+    (tmp_path / "s1" / "ajet").mkdir(parents=True)
+    (tmp_path / "s1" / "ajet" / "__init__.py").write_text("", encoding="utf-8")
+    assert _code_base(str(tmp_path / "s1")) == str(tmp_path / "s1")

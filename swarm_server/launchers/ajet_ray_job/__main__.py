@@ -178,7 +178,7 @@ def _run(spec: dict[str, Any], pg: Any, bundle: dict[str, float],
         try:
             states = ray.get([a.drain.remote() for a in agents], timeout=_DRAIN_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - an agent (its node) is gone
-            lost = _lost_nodes(agents, infos)
+            lost = _lost_nodes(agents, infos, int(spec["nproc_per_node"]))
             _terminate(agents, _AFTER_FAILURE_GRACE_S)
             detail = f"{lost or 'a node'} was lost: {type(exc).__name__}: {str(exc)[:300]}"
             _say(marker("exit", code=1, detail=detail, stopped=stopping.is_set()))
@@ -200,14 +200,20 @@ def _run(spec: dict[str, Any], pg: Any, bundle: dict[str, float],
         stopping.wait(_POLL_S)
 
 
-def _lost_nodes(agents: list[Any], infos: list[dict[str, Any]]) -> str:
+def _lost_nodes(agents: list[Any], infos: list[dict[str, Any]], per_node: int) -> str:
+    """The nodes whose agent no longer answers, each with the ranks it ran."""
     lost = []
     for agent, info in zip(agents, infos):
         try:
             ray.get(agent.drain.remote(), timeout=5)
         except Exception:  # noqa: BLE001
-            lost.append(_where(info))
+            lost.append(f"{_ranks_of(info['index'], per_node)} on {_where(info)}")
     return ", ".join(lost)
+
+
+def _ranks_of(index: int, per_node: int) -> str:
+    first = index * per_node
+    return f"rank {first}" if per_node == 1 else f"ranks {first}-{first + per_node - 1}"
 
 
 def _terminate(agents: list[Any], grace_s: float) -> list[int | None]:

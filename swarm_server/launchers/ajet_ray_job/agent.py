@@ -53,9 +53,17 @@ def _die_with_parent_thread() -> None:
         pass
 
 
-def _code_base() -> str:
+def _code_base(shared: str | None = None) -> str:
     """The folder this node's copy of `ajet` sits in (the job's working_dir or py_module),
-    found without importing it."""
+    found without importing it; `shared`: the snapshot's folder on a work directory every
+    node mounts, which must then be there."""
+    if shared is not None:
+        if not (Path(shared) / "ajet" / "__init__.py").is_file():
+            raise RuntimeError(f"the snapshot {shared} is not on this node "
+                               f"({socket.gethostname()}): the server's work directory is not "
+                               "shared with it; mount it at the same path, or start the "
+                               "server without --ray-shared-workdir")
+        return shared
     found = importlib.util.find_spec("ajet")
     if found is None or found.origin is None:
         raise RuntimeError("ajet is not importable on this node: the Ray job's runtime_env "
@@ -145,7 +153,7 @@ class NodeAgent:
     def _command(self, master_addr: str, master_port: int, ip: str
                  ) -> tuple[list[str], dict[str, str]]:
         spec = self.spec
-        base = _code_base()
+        base = _code_base(spec.get("code_base"))
         env = dict(spec["env"])
         for name in _NODE_OWN:  # this node's own, not the server machine's
             if name in os.environ:
