@@ -316,6 +316,12 @@ class EngineController:
             since=since,
         )
 
+    @property
+    def last_error(self) -> LastError | None:
+        """Why this controller's last run failed (None: it did not, or none ran yet)."""
+        with self._lock:
+            return self._last_error
+
     def engine_socket(self) -> Path | None:
         """The serving engine's Unix socket (for the episode gateway), else None."""
         with self._lock:

@@ -30,6 +30,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,10 +48,17 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, validate_job_yaml
 from swarm_server.devices import DevicePool, devices_needed
-from swarm_server.engine import LAST_CONFIG_KEY, EngineController, PinnedJob, job_fields
+from swarm_server.engine import (
+    LAST_CONFIG_KEY,
+    LOG_TAIL_LINES,
+    EngineController,
+    PinnedJob,
+    job_fields,
+)
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import ACTIVE_RUN_STATUSES, Ledger, RunRecord
 from swarm_server.run_checkpoints import resolve_resume
+from swarm_server.run_files import read_log_lines
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
 
@@ -59,6 +67,10 @@ __all__ = ["RunPool"]
 log = logging.getLogger(__name__)
 
 ControllerFactory = Callable[[PinnedJob], EngineController]
+
+#: The `last_error`s of ended runs kept in memory (with the controller's log tail and the
+#: failing rank's traceback); older ones are rebuilt from the ledger and engine.log.
+_ENDED_ERRORS_KEPT = 256
 
 
 @dataclass
@@ -88,6 +100,8 @@ class RunPool:
         self._lock = threading.RLock()
         self._lanes: dict[str, EngineController] = {}  # run id -> controller (POST /runs)
         self._queue: list[_Queued] = []
+        #: run id -> its controller's `last_error`, once the run ended (its lane is gone)
+        self._ended_errors: OrderedDict[str, LastError] = OrderedDict()
 
     # ------------------------------------------------------------------ start / stop
 
@@ -235,11 +249,7 @@ class RunPool:
         if rec is None:
             raise SwarmNotFound(404, f"no run {run_id!r}", "GET /runs lists the runs")
         position, reason = self.queue_place(run_id)
-        last_error = None
-        if rec.status == "failed":
-            last_error = LastError(run_id=rec.id, exit_code=rec.exit_code,
-                                   reason=rec.reason or "", log_tail=[],
-                                   at=rec.ended_at or rec.started_at)
+        last_error = self._last_error(rec) if rec.status == "failed" else None
         return EngineStatus(
             state=EngineState.OFFLINE, run_id=rec.id, name=rec.name,
             snapshot_id=rec.snapshot_id, step=rec.last_step, has_config=True,
@@ -248,6 +258,18 @@ class RunPool:
             approvals_enforced=self.approvals.enforced,
             snapshot_approval=self.approvals.state(rec.snapshot_id).state,
             queue_position=position, queue_reason=reason)
+
+    def _last_error(self, rec: RunRecord) -> LastError:
+        """A failed run's own `last_error`: its controller's, kept when it ended, else
+        rebuilt from its record and the tail of its engine.log (after a server restart)."""
+        with self._lock:
+            kept = self._ended_errors.get(rec.id)
+        if kept is not None:
+            return kept
+        tail, _, _ = read_log_lines(Path(rec.run_dir) / "engine.log", tail=LOG_TAIL_LINES,
+                                    redact=self.settings.secret_values())
+        return LastError(run_id=rec.id, exit_code=rec.exit_code, reason=rec.reason or "",
+                         log_tail=tail, at=rec.ended_at or rec.started_at)
 
     def queue_place(self, run_id: str) -> tuple[int | None, str | None]:
         """(position, reason) of a queued run; (None, None) for any other."""
@@ -405,7 +427,12 @@ class RunPool:
     def _on_run_end(self, run_id: str) -> None:
         """A controller's run ended (its exit thread): forget its lane, start the next."""
         with self._lock:
-            self._lanes.pop(run_id, None)
+            lane = self._lanes.pop(run_id, None)
+            error = (lane or self.default).last_error
+            if error is not None and error.run_id == run_id:
+                self._ended_errors[run_id] = error
+                while len(self._ended_errors) > _ENDED_ERRORS_KEPT:
+                    self._ended_errors.popitem(last=False)
             waiting = bool(self._queue)
         if waiting:
             threading.Thread(target=self._drain, daemon=True, name="run-queue").start()

@@ -4,8 +4,9 @@ and device slots, with the stand-in engine (`tests.support.fake_engine`).
 Two runs on two snapshots both serve, each with its own slot in its environment; a third
 waits in the queue (position and reason shown) and starts when one stops; an episode key
 reaches only its own run's engine, and dies with that run while the other goes on;
-revoking a snapshot stops only the runs on it; the original client drives the default
-run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
+revoking a snapshot stops only the runs on it; a run that crashes goes OFFLINE on its own
+with its own `last_error` (log tail included) while the others go on; the original client
+drives the default run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
 queueing) name the next call and record nothing.
 """
 
@@ -30,7 +31,7 @@ from tests.support import (
     make_ajet_repo,
 )
 from tests.support.factory import Server, ServerFactory
-from tests.support.fake_engine import server_env
+from tests.support.fake_engine import server_env, set_behaviour
 from tests.support.harness import wait_until
 
 ROLLING = EngineState.ROLLING.value
@@ -198,6 +199,30 @@ def test_revoking_a_snapshot_stops_only_the_runs_on_it(
     assert _status(control, "on-kept")["state"] == ROLLING
     refused = control.post("/runs", json={"snapshot_id": doomed, "yaml": JOB})
     assert refused.status_code == 409 and "revoked" in refused.text
+
+
+def test_a_run_that_crashes_goes_offline_on_its_own_with_its_own_last_error(
+        srv: Server, snapshots: list[str], control: httpx.Client) -> None:
+    survivor = _start(control, snapshots[0], "survivor")
+    _wait_state(control, "survivor", ROLLING)
+    set_behaviour(srv.workdir, mode="crash_at_boot", exit_code=7)  # the next engine only
+    try:
+        crasher = _start(control, snapshots[1], "crasher")
+        wait_until(lambda: _status(control, "crasher")["last_error"] is not None, timeout=30)
+    finally:
+        set_behaviour(srv.workdir)
+    status = _status(control, crasher["run_id"])
+    assert status["state"] == EngineState.OFFLINE.value
+    error = status["last_error"]
+    assert error["run_id"] == crasher["run_id"] and error["exit_code"] == 7
+    assert "exited with code 7 while ENGINE.BOOTING" in error["reason"]
+    assert "RuntimeError: fake boot failure" in error["log_tail"]  # what the agent reads
+    # the others are untouched: the survivor serves, the default run has no error, and
+    # the crashed run's slot is free again
+    assert _status(control, "survivor")["state"] == ROLLING
+    assert control.get("/get_engine_status").json()["last_error"] is None
+    devices = control.get("/runs", params={"state": "active"}).json()["devices"]
+    assert set(devices["held"]) == {survivor["run_id"]} and len(devices["free"]) == 1
 
 
 def test_the_original_client_drives_the_default_run_beside_a_run_of_post_runs(
