@@ -359,8 +359,11 @@ class RunPool:
                                                          "sync_train_config first")
         record = self.snapshots.get(snapshot_id) if snapshot_id != SERVER_CODE else None
         base = self.snapshots.base_dir(record) if record is not None else None
+        # the planner checks the job against the devices it may be given (the Ray nodes'
+        # memory, or the smallest GPU slot), as for the default run's config
         checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
-                                    engine_user=self.engine_user)
+                                    engine_user=self.engine_user,
+                                    extra_env=self.default.planner_env())
         job = job_fields(checked.yaml_text)
         if isinstance(job.get("resume_from"), str) and job["resume_from"]:
             resolve_resume(str(job["resume_from"]), ledger=self.ledger,
