@@ -3,7 +3,9 @@ and device slots, with the stand-in engine (`tests.support.fake_engine`).
 
 Two runs on two snapshots both serve, each with its own slot in its environment; a third
 waits in the queue (position and reason shown) and starts when one stops; an episode key
-reaches only its own run's engine, and dies with that run while the other goes on;
+reaches only its own run's engine (a worker of run A trying run B's episode, a key re-signed
+for run B, or an end naming run B gets nowhere), and dies with that run while the other
+goes on;
 revoking a snapshot stops only the runs on it; a run that crashes goes OFFLINE on its own
 with its own `last_error` (log tail included) while the others go on; the original client
 drives the default run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
@@ -156,6 +158,25 @@ def test_an_episode_key_reaches_only_its_own_run(
         reply = _chat(srv, episode["openai_api_key"])
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == f"run {run['run_id']}"
+
+    # a worker of run A cannot cross to run B: naming B's episode in the header the server
+    # sets itself changes nothing, and a genuine key whose run is B's is refused (the key
+    # binds its run; the server's own table says the episode is A's)
+    with srv.http_as(episode_a["openai_api_key"]) as worker_a:
+        crossed = worker_a.post("/v1/chat/completions",
+                                headers={"X-Episode-UUID": episode_b["episode_uuid"]},
+                                json={"model": "m", "messages": [{"role": "user",
+                                                                  "content": "hi"}]})
+    assert crossed.json()["choices"][0]["message"]["content"] == f"run {a['run_id']}"
+    signer = srv.app.state.ctx.episodes.signer  # type: ignore[union-attr]
+    rebound, _ = signer.sign(b["run_id"], episode_a["episode_uuid"])
+    refused = _chat(srv, rebound)
+    assert refused.status_code == 401 and "unknown episode for this key" in refused.text
+    with srv.http_as(WORKER_TOKEN) as worker:
+        aimed = worker.post("/end_episode", json={"episode_uuid": episode_a["episode_uuid"],
+                                                  "task_id": "t", "reward": 1.0,
+                                                  "run_id": b["run_id"]})
+        assert aimed.status_code == 422  # an episode's run is the server's, never the body's
 
     # run A ends: its keys die with it, while run B's go on
     control.post("/runs/key-a/stop", json={})
