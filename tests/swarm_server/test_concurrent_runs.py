@@ -6,7 +6,8 @@ waits in the queue (position and reason shown) and starts when one stops; an epi
 reaches only its own run's engine (a worker of run A trying run B's episode, a key re-signed
 for run B, or an end naming run B gets nowhere), and dies with that run while the other
 goes on;
-revoking a snapshot stops only the runs on it; a run that crashes goes OFFLINE on its own
+a queued run waits again after a server restart; revoking a snapshot stops only the runs
+on it; a run that crashes goes OFFLINE on its own
 with its own `last_error` (log tail included) while the others go on; the original client
 drives the default run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
 queueing) name the next call and record nothing.
@@ -32,6 +33,7 @@ from tests.support import (
     WORKER_TOKEN,
     make_ajet_repo,
 )
+from tests.support.app import app_server
 from tests.support.factory import Server, ServerFactory
 from tests.support.fake_engine import server_env, set_behaviour
 from tests.support.harness import wait_until
@@ -269,6 +271,19 @@ def test_the_original_client_drives_the_default_run_beside_a_run_of_post_runs(
         control.post("/runs/beside/stop", json={})
 
 
+def test_a_queued_run_waits_again_after_a_server_restart(tmp_path: Path) -> None:
+    env = server_env(AJET_SWARM_DEVICES="1")
+    with app_server(tmp_path / "swarm", env=env) as first, first.http_as(None) as http:
+        head = _start(http, "server", "head")
+        assert _start(http, "server", "behind")["status"] == "queued"
+    # the shutdown stopped the head run; the queued one is a ledger row the next server
+    # queues again, and starts on the slot that is now free
+    with app_server(tmp_path / "swarm", env=env) as second, second.http_as(None) as http:
+        _wait_state(http, "behind", ROLLING)
+        assert http.get(f"/runs/{head['run_id']}").json()["status"] == "ended"
+        http.post("/runs/behind/stop", json={"reason": "test done"})
+
+
 def test_refusals_say_why_and_what_to_do(
         srv: Server, snapshots: list[str], control: httpx.Client) -> None:
     big = AgentJetJob(n_proc=3).to_yaml()
@@ -279,6 +294,8 @@ def test_refusals_say_why_and_what_to_do(
     taken = control.post("/runs", json={"snapshot_id": snapshots[0], "yaml": JOB,
                                         "name": "only-one"})
     assert taken.status_code == 409 and "already named" in taken.json()["detail"]
+    reserved = control.post("/runs", json={"yaml": JOB, "name": "current"})
+    assert reserved.status_code == 422 and "names the default run" in reserved.text
     _start(control, snapshots[1], "second")
     busy = control.post("/runs", json={"snapshot_id": snapshots[0], "yaml": JOB,
                                        "queue": False})
