@@ -124,13 +124,18 @@ class DevicePool:
                  ) -> DevicePool:
         env = os.environ if environ is None else environ
         gpus = detect_gpus(env)
-        if gpus:
-            # without CUDA_VISIBLE_DEVICES the indices are nvidia-smi's (PCI bus order),
-            # unless the operator chose CUDA's order (CUDA_DEVICE_ORDER) for both
-            from_smi = "CUDA_VISIBLE_DEVICES" not in env and "CUDA_DEVICE_ORDER" not in env
-            return cls("gpu", gpus[:devices] if devices else gpus,
-                       memory_mib=detect_gpu_memory(env), pci_order=from_smi)
-        return cls("cpu", list(range(devices or os.cpu_count() or 1)))
+        if not gpus:
+            return cls("cpu", list(range(devices or os.cpu_count() or 1)))
+        slots = gpus[:devices] if devices else gpus
+        # without CUDA_VISIBLE_DEVICES the indices are nvidia-smi's (PCI bus order), and
+        # each run is told so; the operator's indices are in CUDA's order, which is the
+        # same only with CUDA_DEVICE_ORDER=PCI_BUS_ID
+        from_smi = "CUDA_VISIBLE_DEVICES" not in env
+        memory = detect_gpu_memory(env)
+        if memory and not from_smi and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+            # nvidia-smi's index k may be another GPU than CUDA's: count each as the smallest
+            memory = dict.fromkeys(slots, min(memory.values()))
+        return cls("gpu", slots, memory_mib=memory, pci_order=from_smi)
 
     @classmethod
     def for_ray(cls) -> DevicePool:

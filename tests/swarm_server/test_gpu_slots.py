@@ -61,11 +61,15 @@ def test_the_pool_counts_the_gpus_and_hands_each_run_its_own(smi_path: str) -> N
     # --devices 1: only GPU 0, so the 15 GB one is nobody's
     assert DevicePool.for_host(1, {"PATH": smi_path}).planner_env() == {
         "AJET_ENGINE_GPU_MEMORY_GB": "79.647"}
-    # the operator's CUDA_VISIBLE_DEVICES names the slots, in CUDA's own order
+    # the operator's CUDA_VISIBLE_DEVICES names the slots, in CUDA's own order: which of
+    # nvidia-smi's GPUs they are is known only with CUDA_DEVICE_ORDER=PCI_BUS_ID
     chosen = DevicePool.for_host(None, {"PATH": smi_path, "CUDA_VISIBLE_DEVICES": "2,0"})
     assert (chosen.slots, chosen.pci_order) == ([2, 0], False)
     assert chosen.environment([2]) == {"CUDA_VISIBLE_DEVICES": "2"}
-    assert chosen.planner_env() == {"AJET_ENGINE_GPU_MEMORY_GB": "79.647"}
+    assert chosen.planner_env() == {"AJET_ENGINE_GPU_MEMORY_GB": "15.000"}
+    in_pci_order = DevicePool.for_host(None, {"PATH": smi_path, "CUDA_VISIBLE_DEVICES": "2,0",
+                                              "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert in_pci_order.planner_env() == {"AJET_ENGINE_GPU_MEMORY_GB": "79.647"}
     assert detect_gpus({"CUDA_VISIBLE_DEVICES": "GPU-a,GPU-b"}) == []  # UUIDs: no slots
     assert DevicePool.for_host(3, {"PATH": "/nonexistent"}).kind == "cpu"
 
