@@ -14,6 +14,10 @@ Devices come from one `DevicePool`. A run whose devices are busy waits in a FIFO
 (a ledger row with status `queued`, so a server restart re-queues it); the head starts
 when enough slots are free, and nothing behind it jumps ahead (no backfill: a position
 only ever moves forward). A run that needs more slots than the server has is refused.
+Under the Ray launcher the pool counts nothing and Ray decides: a run its cluster cannot
+hold now (`supervisor.PlacementRefused`) waits in the same queue, tried again when a run
+ends and every `PLACEMENT_RETRY_S` (the cluster may be shared); one that not even the idle
+cluster could hold is refused.
 
 Approvals stay per snapshot: every start passes the controller's approval gate, and
 `stop_unrunnable` (after a revoke or a denial) stops every active run, and drops every
@@ -61,6 +65,7 @@ from swarm_server.run_checkpoints import resolve_resume
 from swarm_server.run_files import read_log_lines
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.supervisor import PlacementRefused
 
 __all__ = ["RunPool"]
 
@@ -71,6 +76,9 @@ ControllerFactory = Callable[[PinnedJob], EngineController]
 #: The `last_error`s of ended runs kept in memory (with the controller's log tail and the
 #: failing rank's traceback); older ones are rebuilt from the ledger and engine.log.
 _ENDED_ERRORS_KEPT = 256
+#: Seconds between tries of a queued run the launcher could not place (Ray), besides the
+#: try after each run's end: resources other users of the cluster free are seen too.
+PLACEMENT_RETRY_S = 30.0
 
 
 @dataclass
@@ -79,6 +87,8 @@ class _Queued:
     need: int
     queued_at: float
     role: str
+    #: the launcher's last refusal to place it (Ray), else None (it waits for slots)
+    placement: str | None = None
 
 
 class RunPool:
@@ -102,6 +112,9 @@ class RunPool:
         self._queue: list[_Queued] = []
         #: run id -> its controller's `last_error`, once the run ended (its lane is gone)
         self._ended_errors: OrderedDict[str, LastError] = OrderedDict()
+        self._placing: str | None = None  # the run being launched (a refusal is no end)
+        self._retry: threading.Timer | None = None  # the next try of an unplaced run
+        self.placement_retry_s = PLACEMENT_RETRY_S
 
     # ------------------------------------------------------------------ start / stop
 
@@ -123,7 +136,14 @@ class RunPool:
                     raise self.devices.busy(need)
                 self._enqueue(job, need, role)
                 return job.run_id
-            self._launch(job, role)
+            try:
+                self._launch(job, role)
+            except PlacementRefused as exc:
+                if exc.never or not request.queue:
+                    raise
+                queued = _Queued(job, need, time.time(), role, placement=str(exc.detail))
+                self._queue.append(queued)
+                self._requeued(queued)
         return job.run_id
 
     def stop(self, ref: str, *, role: str, reason: str) -> StopEngineResponse:
@@ -183,6 +203,9 @@ class RunPool:
         with self._lock:
             lanes = list(self._lanes.values())
             self._queue.clear()
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
         for lane in lanes:
             lane.shutdown()
         self.default.shutdown()
@@ -280,6 +303,10 @@ class RunPool:
                     free = len(self.devices.free())
                     reason = (f"needs {queued.need} device slot(s); {free} of "
                               f"{self.devices.total} free")
+                    if queued.placement is not None:
+                        reason = (f"the launcher cannot place it now ({queued.placement}); "
+                                  f"tried again when a run ends and every "
+                                  f"{self.placement_retry_s:g} s")
                     if ahead:
                         reason += f"; {ahead} run(s) ahead of it"
                     return position, reason
@@ -411,12 +438,38 @@ class RunPool:
         """Start a run's controller. Caller holds `_lock`."""
         lane = self._make(job)
         self._lanes[job.run_id] = lane
+        self._placing = job.run_id
         try:
             lane.start(role=role)
         except SwarmHTTPError:
             self._lanes.pop(job.run_id, None)
             raise
+        finally:
+            self._placing = None
         self.ledger.audit("start_run", role, "ok", {"run_id": job.run_id, "name": job.name})
+
+    def _requeued(self, queued: _Queued) -> None:
+        """A run the launcher could not place is queued again: its record (which the
+        refused start closed as failed) says so, and a try is scheduled. Caller holds
+        `_lock`."""
+        run_id = queued.job.run_id
+        self._ended_errors.pop(run_id, None)
+        self.ledger.update_run(run_id, status="queued", ended_at=None, final_state=None,
+                               exit_code=None, reason=None, pid=None, pid_start_time=None)
+        self.ledger.audit("start_run", queued.role, "queued",
+                          {"run_id": run_id, "name": queued.job.name,
+                           "placement": (queued.placement or "")[:200]})
+        log.info("run %s waits: the launcher cannot place it now (%s)", run_id,
+                 queued.placement)
+        if self._retry is None:
+            self._retry = threading.Timer(self.placement_retry_s, self._retry_drain)
+            self._retry.daemon = True
+            self._retry.start()
+
+    def _retry_drain(self) -> None:
+        with self._lock:
+            self._retry = None  # a refusal in this try schedules the next
+            self._drain()
 
     def _controller(self, job: PinnedJob) -> EngineController:
         # the default controller's spawner and probe: the same processes, or in tests the
@@ -436,7 +489,8 @@ class RunPool:
                 self._ended_errors[run_id] = error
                 while len(self._ended_errors) > _ENDED_ERRORS_KEPT:
                     self._ended_errors.popitem(last=False)
-            waiting = bool(self._queue)
+            # a start the launcher refused is no end that frees anything
+            waiting = bool(self._queue) and run_id != self._placing
         if waiting:
             threading.Thread(target=self._drain, daemon=True, name="run-queue").start()
 
@@ -447,11 +501,19 @@ class RunPool:
                 queued = self._queue.pop(0)
                 try:
                     self._launch(queued.job, queued.role)
+                except PlacementRefused as exc:
+                    if not exc.never:
+                        queued.placement = str(exc.detail)
+                        self._queue.insert(0, queued)  # still the head: none jumps ahead
+                        self._requeued(queued)
+                        break
+                    self._drop(queued, exc)  # the cluster shrank: it would wait forever
                 except SwarmHTTPError as exc:  # its snapshot lost its approval, say
-                    log.warning("queued run %s could not start: %s", queued.job.run_id,
-                                exc.detail)
-                    self.ledger.update_run(queued.job.run_id, status="failed",
-                                           ended_at=time.time(),
-                                           final_state=EngineState.OFFLINE.value,
-                                           reason=f"could not start from the queue: "
-                                                  f"{exc.detail}")
+                    self._drop(queued, exc)
+
+    def _drop(self, queued: _Queued, exc: SwarmHTTPError) -> None:
+        """A queued run that could not start is recorded as failed. Caller holds `_lock`."""
+        log.warning("queued run %s could not start: %s", queued.job.run_id, exc.detail)
+        self.ledger.update_run(queued.job.run_id, status="failed", ended_at=time.time(),
+                               final_state=EngineState.OFFLINE.value,
+                               reason=f"could not start from the queue: {exc.detail}")
