@@ -307,6 +307,8 @@ class RunPool:
                         reason = (f"the launcher cannot place it now ({queued.placement}); "
                                   f"tried again when a run ends and every "
                                   f"{self.placement_retry_s:g} s")
+                    elif self.devices.kind == "ray":
+                        reason = "the runs ahead of it are placed first (Ray, in order)"
                     if ahead:
                         reason += f"; {ahead} run(s) ahead of it"
                     return position, reason

@@ -85,7 +85,8 @@ def test_a_run_ray_cannot_place_now_waits_and_starts_in_its_turn(
     assert status.last_error is None  # a refusal for now is no failure
     record = runs.ledger.get_run(second)
     assert record is not None and (record.status, record.ended_at) == ("queued", None)
-    assert runs.status("third").queue_position == 2
+    behind = runs.status("third")
+    assert behind.queue_position == 2 and "1 run(s) ahead of it" in (behind.queue_reason or "")
     assert runs.devices_status().queued == [second, third]
 
     # tried again (here by the retry timer), refused once more, then placed: in order
