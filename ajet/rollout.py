@@ -20,8 +20,9 @@ what to do, instead of retrying forever.
 
 With `run_id` (a run id or name of `POST /runs`) every episode is claimed from that run
 (its key works only there); without it, from the default run. A run the server does not
-know (a wrong name, or one that ended and left no record under that name) stops the
-runner with the reason in `stopped_reason`.
+know (a wrong name, or one that ended and left no record under that name), or one that has
+ended (neither serving, booting nor queued), stops the runner with the reason in
+`stopped_reason`: its workers never move on to another run.
 
 No torch here: this runs on the laptop (`ajet.rollout` is imported by the MCP bridge).
 """
@@ -51,7 +52,7 @@ from ajet.errors import (
     SwarmHTTPError,
     SwarmNotFound,
 )
-from ajet.protocol import BeginEpisodeResponse
+from ajet.protocol import BeginEpisodeResponse, EngineState
 
 __all__ = ["RolloutRunner", "RolloutStats", "WorkflowFn", "WorkflowOutput", "load_workflow",
            "run_workflow"]
@@ -232,9 +233,24 @@ class RolloutRunner:
                     self._begin_retries += 1
                 if isinstance(exc, SwarmConnectionError):
                     self._note_error(str(exc))
+                elif self.run_id and delay >= 1.0 and self._run_ended():
+                    return None  # once a second at most: waiting would not bring it back
                 self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
         return None
+
+    def _run_ended(self) -> bool:
+        """Whether run `run_id` has ended (then the runner stops, saying why)."""
+        try:
+            status = self.client.run_status(str(self.run_id))
+        except SwarmError:  # unreadable now: keep waiting, the next 409 asks again
+            return False
+        if status.state is not EngineState.OFFLINE or status.queue_position is not None:
+            return False
+        why = f": {status.last_error.reason[:300]}" if status.last_error else ""
+        self._stop_for(f"run {self.run_id!r} ({status.run_id}) has ended{why}; its episodes "
+                       "go nowhere else: start a run and start the rollouts again for it")
+        return True
 
     def _run_episode(self, item: _Item, episode: BeginEpisodeResponse) -> None:
         task_id = str(item.task["task_id"])
