@@ -248,8 +248,10 @@ class RolloutRunner:
         if status.state is not EngineState.OFFLINE or status.queue_position is not None:
             return False
         why = f": {status.last_error.reason[:300]}" if status.last_error else ""
+        # a run that ended well (max_steps, a stop) is the usual end of its rollouts
         self._stop_for(f"run {self.run_id!r} ({status.run_id}) has ended{why}; its episodes "
-                       "go nowhere else: start a run and start the rollouts again for it")
+                       "go nowhere else: start a run and start the rollouts again for it",
+                       level=logging.ERROR if status.last_error else logging.INFO)
         return True
 
     def _run_episode(self, item: _Item, episode: BeginEpisodeResponse) -> None:
@@ -317,11 +319,11 @@ class RolloutRunner:
         self._stop.set()
         return True
 
-    def _stop_for(self, reason: str) -> None:
+    def _stop_for(self, reason: str, *, level: int = logging.ERROR) -> None:
         with self._lock:
             if self._stopped_reason is None:
                 self._stopped_reason = reason
-                log.error("rollouts: %s", reason)
+                log.log(level, "rollouts: %s", reason)
         self._stop.set()
 
     def _note_error(self, text: str) -> None:
