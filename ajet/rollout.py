@@ -84,8 +84,10 @@ class RolloutStats:
     recent_reward_mean: float | None
     elapsed_s: float
     last_error: str | None
-    #: set when the runner stopped itself: the repeated error and the fix
+    #: set when the runner stopped itself: the repeated error and the fix, or its run's end
     stopped_reason: str | None = None
+    #: the runner stopped because its run (`run_id`) ended: no fault of the workflow
+    run_ended: bool = False
 
 
 @dataclass
@@ -154,6 +156,7 @@ class RolloutRunner:
         #: (signature, count) of the workflow errors in a row; a success resets it
         self._error_streak: tuple[str, int] = ("", 0)
         self._stopped_reason: str | None = None
+        self._ended_run = False  # stopped because run `run_id` ended
 
     # ------------------------------------------------------------------ control
 
@@ -193,7 +196,8 @@ class RolloutRunner:
                 recent_reward_mean=sum(self._recent) / len(self._recent) if self._recent
                 else None,
                 elapsed_s=time.monotonic() - self._started if self._started else 0.0,
-                last_error=self._last_error, stopped_reason=self._stopped_reason)
+                last_error=self._last_error, stopped_reason=self._stopped_reason,
+                run_ended=self._ended_run)
 
     # ------------------------------------------------------------------ worker
 
@@ -248,6 +252,8 @@ class RolloutRunner:
         if status.state is not EngineState.OFFLINE or status.queue_position is not None:
             return False
         why = f": {status.last_error.reason[:300]}" if status.last_error else ""
+        with self._lock:
+            self._ended_run = True
         # a run that ended well (max_steps, a stop) is the usual end of its rollouts
         self._stop_for(f"run {self.run_id!r} ({status.run_id}) has ended{why}; its episodes "
                        "go nowhere else: start a run and start the rollouts again for it",

@@ -91,6 +91,7 @@ def test_open_episode_names_its_run_and_the_runner_passes_it_on() -> None:
         assert runner.join(timeout=10)
         stopped = runner.stats().stopped_reason or ""
         assert f"({run.run_id}) has ended" in stopped and "start a run" in stopped
+        assert runner.stats().run_ended  # the bridge does not call that a failing workflow
         assert {b["run_id"] for m, p, _, b in fake.requests[since:] if p == "/begin_episode"
                 } == {run.run_id}
 
