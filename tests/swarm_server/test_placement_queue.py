@@ -74,11 +74,12 @@ def _start(runs: RunPool, name: str, **extra: object) -> str:
 def test_a_run_ray_cannot_place_now_waits_and_starts_in_its_turn(
         pool: tuple[RunPool, RefusingLauncher]) -> None:
     runs, launcher = pool
-    first = _start(runs, "first")
+    runs.placement_retry_s = 3600  # here the tries follow the runs' ends only
+    first, filler = _start(runs, "first"), _start(runs, "filler")
     launcher.refuse = 2  # the cluster is full for the next two tries
     second = _start(runs, "second")
     third = _start(runs, "third")  # behind it, never tried ahead of it
-    assert launcher.refused == [second] and launcher.started() == [first]
+    assert launcher.refused == [second] and launcher.started() == [first, filler]
     status = runs.status("second")
     assert (status.state, status.queue_position) == (EngineState.OFFLINE, 1)
     assert FREE in (status.queue_reason or "") and "tried again" in (status.queue_reason or "")
@@ -89,13 +90,26 @@ def test_a_run_ray_cannot_place_now_waits_and_starts_in_its_turn(
     assert behind.queue_position == 2 and "1 run(s) ahead of it" in (behind.queue_reason or "")
     assert runs.devices_status().queued == [second, third]
 
-    # tried again (here by the retry timer), refused once more, then placed: in order
-    wait_until(lambda: launcher.started() == [first, second, third], timeout=10)
-    assert launcher.refused == [second, second]
-    assert runs.controller(second) is not None and runs.controller(third) is not None
-    assert runs.queue_place(third) == (None, None)
+    runs.stop("first", role="control", reason="test")  # a run's end: a try, refused again
+    wait_until(lambda: launcher.refused == [second, second])
+    assert runs.devices_status().queued == [second, third]
+    assert launcher.started() == [first, filler]  # the refused try started no other try
+    runs.stop("filler", role="control", reason="test")  # the next end: both placed, in order
+    wait_until(lambda: launcher.started() == [first, filler, second, third])
+    assert runs.devices_status().queued == []
     record = runs.ledger.get_run(second)
     assert record is not None and record.status == "booting" and record.ended_at is None
+
+
+def test_an_unplaced_run_is_tried_again_by_the_clock_too(
+        pool: tuple[RunPool, RefusingLauncher]) -> None:
+    """Other users of a shared cluster free resources without any run of ours ending."""
+    runs, launcher = pool
+    runs.placement_retry_s = 0.2
+    launcher.refuse = 1
+    alone = _start(runs, "alone")
+    wait_until(lambda: launcher.started() == [alone])
+    assert launcher.refused == [alone] and runs.controller(alone) is not None
 
 
 def test_a_run_no_idle_cluster_could_hold_or_one_that_may_not_wait_is_refused(
