@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, computed_field, field_validator
 
 __all__ = [
     "AbortEpisodeRequest",
@@ -619,6 +619,15 @@ class StartRunRequest(_Model):
     queue: bool = Field(
         default=True, description="Wait in the queue while the devices it needs are busy; "
                                   "false: refuse with 409 instead")
+
+    @field_validator("name")
+    @classmethod
+    def _not_current(cls, name: str | None) -> str | None:
+        # every route that takes a run reads 'current' as the default run
+        if name == "current":
+            raise ValueError("'current' names the default run wherever a run is named; "
+                             "pick another name")
+        return name
 
 
 class MetricsResponse(BaseModel):

@@ -20,8 +20,9 @@ what to do, instead of retrying forever.
 
 With `run_id` (a run id or name of `POST /runs`) every episode is claimed from that run
 (its key works only there); without it, from the default run. A run the server does not
-know (a wrong name, or one that ended and left no record under that name) stops the
-runner with the reason in `stopped_reason`.
+know (a wrong name, or one that ended and left no record under that name), or one that has
+ended (neither serving, booting nor queued), stops the runner with the reason in
+`stopped_reason`: its workers never move on to another run.
 
 No torch here: this runs on the laptop (`ajet.rollout` is imported by the MCP bridge).
 """
@@ -51,7 +52,7 @@ from ajet.errors import (
     SwarmHTTPError,
     SwarmNotFound,
 )
-from ajet.protocol import BeginEpisodeResponse
+from ajet.protocol import BeginEpisodeResponse, EngineState
 
 __all__ = ["RolloutRunner", "RolloutStats", "WorkflowFn", "WorkflowOutput", "load_workflow",
            "run_workflow"]
@@ -83,8 +84,10 @@ class RolloutStats:
     recent_reward_mean: float | None
     elapsed_s: float
     last_error: str | None
-    #: set when the runner stopped itself: the repeated error and the fix
+    #: set when the runner stopped itself: the repeated error and the fix, or its run's end
     stopped_reason: str | None = None
+    #: the runner stopped because its run (`run_id`) ended: no fault of the workflow
+    run_ended: bool = False
 
 
 @dataclass
@@ -153,6 +156,7 @@ class RolloutRunner:
         #: (signature, count) of the workflow errors in a row; a success resets it
         self._error_streak: tuple[str, int] = ("", 0)
         self._stopped_reason: str | None = None
+        self._ended_run = False  # stopped because run `run_id` ended
 
     # ------------------------------------------------------------------ control
 
@@ -192,7 +196,8 @@ class RolloutRunner:
                 recent_reward_mean=sum(self._recent) / len(self._recent) if self._recent
                 else None,
                 elapsed_s=time.monotonic() - self._started if self._started else 0.0,
-                last_error=self._last_error, stopped_reason=self._stopped_reason)
+                last_error=self._last_error, stopped_reason=self._stopped_reason,
+                run_ended=self._ended_run)
 
     # ------------------------------------------------------------------ worker
 
@@ -232,9 +237,28 @@ class RolloutRunner:
                     self._begin_retries += 1
                 if isinstance(exc, SwarmConnectionError):
                     self._note_error(str(exc))
+                elif self.run_id and delay >= 1.0 and self._run_ended():
+                    return None  # once a second at most: waiting would not bring it back
                 self._stop.wait(delay)
                 delay = min(delay * 2, 1.0)
         return None
+
+    def _run_ended(self) -> bool:
+        """Whether run `run_id` has ended (then the runner stops, saying why)."""
+        try:
+            status = self.client.run_status(str(self.run_id))
+        except SwarmError:  # unreadable now: keep waiting, the next 409 asks again
+            return False
+        if status.state is not EngineState.OFFLINE or status.queue_position is not None:
+            return False
+        why = f": {status.last_error.reason[:300]}" if status.last_error else ""
+        with self._lock:
+            self._ended_run = True
+        # a run that ended well (max_steps, a stop) is the usual end of its rollouts
+        self._stop_for(f"run {self.run_id!r} ({status.run_id}) has ended{why}; its episodes "
+                       "go nowhere else: start a run and start the rollouts again for it",
+                       level=logging.ERROR if status.last_error else logging.INFO)
+        return True
 
     def _run_episode(self, item: _Item, episode: BeginEpisodeResponse) -> None:
         task_id = str(item.task["task_id"])
@@ -301,11 +325,11 @@ class RolloutRunner:
         self._stop.set()
         return True
 
-    def _stop_for(self, reason: str) -> None:
+    def _stop_for(self, reason: str, *, level: int = logging.ERROR) -> None:
         with self._lock:
             if self._stopped_reason is None:
                 self._stopped_reason = reason
-                log.error("rollouts: %s", reason)
+                log.log(level, "rollouts: %s", reason)
         self._stop.set()
 
     def _note_error(self, text: str) -> None:

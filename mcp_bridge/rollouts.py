@@ -212,14 +212,16 @@ class RolloutManager:
               run_id: str | None = None) -> RolloutHandle:
         """Start `workflow` in a child process; raises ValueError if it cannot be loaded.
 
-        Episodes come from `run` (a run id or name; None: the default run); `run_id` is
-        that run's id as the caller resolved it, kept for matching stops to jobs."""
+        Episodes come from `run` (a run id or name; None: the default run, followed across
+        its restarts); `run_id` is that run's id as the caller resolved it: the workers
+        claim from that id, so a later run given the same name never gets their episodes
+        (they stop when the run ends)."""
         mode = "worker" if self._worker_token else "relay"
         child = _Child({"type": "start", "workflow": workflow, "repo": str(self._repo),
                         "n_workers": n_workers, "num_repeat": num_repeat,
                         "max_episodes": max_episodes, "mode": mode,
                         "swarm_url": self._swarm_url, "worker_token": self._worker_token,
-                        "run_id": run})
+                        "run_id": _claim_from(run, run_id)})
         first = _read_first(child)
         if first.get("type") != "ready":
             child.kill()
@@ -346,7 +348,7 @@ class RolloutManager:
         job.client = SwarmClient(self._swarm_url, token=self._token)
         job.runner = RolloutRunner(job.client, relay, tasks, n_workers=job.n_workers,
                                    num_repeat=job.num_repeat, max_episodes=job.max_episodes,
-                                   run_id=job.run)
+                                   run_id=_claim_from(job.run, job.run_id))
         threading.Thread(target=read_results, daemon=True, name=f"{job.handle}-results").start()
         job.runner.start()
 
@@ -389,3 +391,9 @@ def _read_first(child: _Child) -> dict[str, Any]:
         time.sleep(0.2)  # let stderr's last lines arrive
         return {"type": "error", "error": child.exit_text()}
     return box[0]
+
+
+def _claim_from(run: str | None, run_id: str | None) -> str | None:
+    """The run a job's workers claim episodes from: the resolved id of a named run (a name
+    can pass to a later run), None for the default run."""
+    return None if run is None else (run_id or run)

@@ -865,7 +865,7 @@ def _rollout_failure(info: RolloutInfo) -> str | None:
     """Why a rollout job produces no episodes: it stopped on a repeated error, or every
     episode so far failed in the workflow."""
     stats = info.stats
-    if stats.get("stopped_reason"):
+    if stats.get("stopped_reason") and not stats.get("run_ended"):  # not the run's end
         return str(stats["stopped_reason"])
     if info.error and not info.running:
         return info.error

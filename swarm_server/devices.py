@@ -3,10 +3,13 @@
 On a GPU host a slot is a GPU index: the visible GPUs (the server's own
 `CUDA_VISIBLE_DEVICES`, else what `nvidia-smi -L` lists), or the first `--devices N` of
 them. A run holds `n_gpu` of them and its engine sees only those (`CUDA_VISIBLE_DEVICES`
-in its environment). On a CPU host there is nothing to hand out, but the same scheduling
-runs on `--devices N` slots (default: the CPU count), one per engine process (`n_proc`),
-so queueing and refusals behave and are tested as on a GPU host. Under the Ray launcher
-the pool counts nothing: Ray's placement groups reserve each run's GPUs.
+in its environment; with `CUDA_DEVICE_ORDER=PCI_BUS_ID` when the indices are nvidia-smi's,
+so CUDA numbers the GPUs as nvidia-smi does). The memory planner checks a job against the
+smallest GPU among the slots (`planner_env`): a run may be given any of them. On a CPU
+host there is nothing to hand out, but the same scheduling runs on `--devices N` slots
+(default: the CPU count), one per engine process (`n_proc`), so queueing and refusals
+behave and are tested as on a GPU host. Under the Ray launcher the pool counts nothing:
+Ray's placement groups reserve each run's GPUs.
 
 The server never imports torch: the GPUs are counted from the environment and the
 driver's tool, which is what the engine's CUDA runtime will see.
@@ -25,11 +28,14 @@ from dataclasses import dataclass
 from ajet.errors import EngineStateConflict
 from ajet.protocol import DevicePoolStatus
 
-__all__ = ["DevicePool", "detect_gpus", "devices_needed"]
+__all__ = ["DevicePool", "detect_gpu_memory", "detect_gpus", "devices_needed"]
 
 log = logging.getLogger(__name__)
 
 _NVIDIA_SMI_TIMEOUT_S = 10.0
+#: The planner's word for a GPU's memory (ajet/engine/planning/memory_plan.py; the server
+#: never imports the engine's modules).
+_GPU_MEMORY_ENV = "AJET_ENGINE_GPU_MEMORY_GB"
 
 
 def detect_gpus(environ: Mapping[str, str] | None = None) -> list[int]:
@@ -44,17 +50,38 @@ def detect_gpus(environ: Mapping[str, str] | None = None) -> list[int]:
         log.warning("CUDA_VISIBLE_DEVICES=%s is not a list of indices; concurrent runs use "
                     "no GPU slots (set it to indices, e.g. 0,1,2,3)", visible)
         return []
-    tool = shutil.which("nvidia-smi")
-    if tool is None:
-        return []
-    try:
-        listing = subprocess.run([tool, "-L"], capture_output=True, text=True, check=True,
-                                 timeout=_NVIDIA_SMI_TIMEOUT_S).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("nvidia-smi -L failed (%s); no GPU slots", exc)
+    listing = _nvidia_smi(env, "-L")
+    if listing is None:
         return []
     return [i for i, line in enumerate(line for line in listing.splitlines()
                                        if line.startswith("GPU "))]
+
+
+def detect_gpu_memory(environ: Mapping[str, str] | None = None) -> dict[int, int]:
+    """Each GPU's total memory in MiB by nvidia-smi's index (empty when unknown)."""
+    env = os.environ if environ is None else environ
+    listing = _nvidia_smi(env, "--query-gpu=index,memory.total",
+                          "--format=csv,noheader,nounits")
+    memory: dict[int, int] = {}
+    for line in (listing or "").splitlines():
+        index, _, total = line.partition(",")
+        try:
+            memory[int(index)] = int(float(total))
+        except ValueError:  # an odd line ("[N/A]"): that GPU's memory stays unknown
+            continue
+    return memory
+
+
+def _nvidia_smi(env: Mapping[str, str], *args: str) -> str | None:
+    tool = shutil.which("nvidia-smi", path=env.get("PATH"))
+    if tool is None:
+        return None
+    try:
+        return subprocess.run([tool, *args], capture_output=True, text=True, check=True,
+                              timeout=_NVIDIA_SMI_TIMEOUT_S).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("nvidia-smi %s failed (%s); no GPU slots", " ".join(args), exc)
+        return None
 
 
 def devices_needed(job: Mapping[str, object], kind: str) -> int:
@@ -81,19 +108,34 @@ class _Grant:
 class DevicePool:
     """Slots, and the runs holding them. Thread-safe; every method is O(slots)."""
 
-    def __init__(self, kind: str, slots: list[int]) -> None:
+    def __init__(self, kind: str, slots: list[int], *, memory_mib: Mapping[int, int] | None
+                 = None, pci_order: bool = False) -> None:
         self.kind = kind
         self.slots = list(slots)
+        #: GPU slot -> its total memory (MiB), where nvidia-smi said
+        self.memory_mib = {s: m for s, m in (memory_mib or {}).items() if s in self.slots}
+        #: the slots are nvidia-smi's indices: runs get CUDA_DEVICE_ORDER=PCI_BUS_ID
+        self.pci_order = pci_order
         self._held: dict[str, _Grant] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def for_host(cls, devices: int | None, environ: Mapping[str, str] | None = None
                  ) -> DevicePool:
-        gpus = detect_gpus(environ)
-        if gpus:
-            return cls("gpu", gpus[:devices] if devices else gpus)
-        return cls("cpu", list(range(devices or os.cpu_count() or 1)))
+        env = os.environ if environ is None else environ
+        gpus = detect_gpus(env)
+        if not gpus:
+            return cls("cpu", list(range(devices or os.cpu_count() or 1)))
+        slots = gpus[:devices] if devices else gpus
+        # without CUDA_VISIBLE_DEVICES the indices are nvidia-smi's (PCI bus order), and
+        # each run is told so; the operator's indices are in CUDA's order, which is the
+        # same only with CUDA_DEVICE_ORDER=PCI_BUS_ID
+        from_smi = "CUDA_VISIBLE_DEVICES" not in env
+        memory = detect_gpu_memory(env)
+        if memory and not from_smi and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+            # nvidia-smi's index k may be another GPU than CUDA's: count each as the smallest
+            memory = dict.fromkeys(slots, min(memory.values()))
+        return cls("gpu", slots, memory_mib=memory, pci_order=from_smi)
 
     @classmethod
     def for_ray(cls) -> DevicePool:
@@ -158,8 +200,24 @@ class DevicePool:
         if self.kind == "ray":
             return {}
         if self.kind == "gpu":
-            return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
+            env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, slots))}
+            if self.pci_order:
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+            return env
         return {"AJET_ENGINE_DEVICE_SLOTS": ",".join(map(str, slots))}
+
+    def planner_env(self) -> dict[str, str]:
+        """For the memory planner at config time, on a GPU host: the smallest GPU among
+        the slots (a run may be given any of them), else the slots themselves, so that it
+        never plans against a GPU no run can get. Nothing on a CPU host or under Ray."""
+        if self.kind != "gpu" or not self.slots or _GPU_MEMORY_ENV in os.environ:
+            return {}  # (the operator's own figure for the planner stands)
+        if len(self.memory_mib) == len(self.slots):
+            return {_GPU_MEMORY_ENV: f"{min(self.memory_mib.values()) / 1024:.3f}"}
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.slots))}
+        if self.pci_order:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        return env
 
     def _free_locked(self) -> list[int]:
         taken = {slot for grant in self._held.values() for slot in grant.slots}

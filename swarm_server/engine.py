@@ -316,6 +316,12 @@ class EngineController:
             since=since,
         )
 
+    @property
+    def last_error(self) -> LastError | None:
+        """Why this controller's last run failed (None: it did not, or none ran yet)."""
+        with self._lock:
+            return self._last_error
+
     def engine_socket(self) -> Path | None:
         """The serving engine's Unix socket (for the episode gateway), else None."""
         with self._lock:
@@ -378,11 +384,9 @@ class EngineController:
                     snapshot.id if snapshot else SERVER_CODE,
                     doing="validate the config with the active snapshot's code")
                 base = self.snapshots.base_dir(snapshot) if snapshot else None
-                # a launcher that knows the nodes (Ray) tells the planner their memory
-                planner_env = getattr(self.spawner, "planner_env", None)
                 checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
                                             engine_user=self.engine_user,
-                                            extra_env=planner_env() if planner_env else None)
+                                            extra_env=self.planner_env())
                 self._resume_point(job_fields(checked.yaml_text))  # refused now, not at start
             except SwarmHTTPError as exc:
                 self.ledger.audit(action, role, f"refused: {_short(exc.detail)}",
@@ -400,6 +404,16 @@ class EngineController:
         return ConfigAccepted(config_hash=checked.config_hash,
                               experiment_name=checked.experiment_name, config=checked.config,
                               notes=checked.notes, memory=checked.memory)
+
+    def planner_env(self) -> dict[str, str]:
+        """What the memory planner is told about the devices a run can get: the memory of
+        the nodes, from a launcher that knows them (Ray), or of the smallest of this
+        server's GPU slots (`DevicePool.planner_env`)."""
+        launcher = getattr(self.spawner, "planner_env", None)
+        env = dict(launcher()) if launcher is not None else {}
+        if self.devices is not None:
+            env.update(self.devices.planner_env())
+        return env
 
     def current_config(self) -> ConfigAccepted | None:
         """The stored job (what the next start uses), or None if none was ever sent."""

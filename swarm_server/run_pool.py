@@ -14,6 +14,10 @@ Devices come from one `DevicePool`. A run whose devices are busy waits in a FIFO
 (a ledger row with status `queued`, so a server restart re-queues it); the head starts
 when enough slots are free, and nothing behind it jumps ahead (no backfill: a position
 only ever moves forward). A run that needs more slots than the server has is refused.
+Under the Ray launcher the pool counts nothing and Ray decides: a run its cluster cannot
+hold now (`supervisor.PlacementRefused`) waits in the same queue, tried again when a run
+ends and every `PLACEMENT_RETRY_S` (the cluster may be shared); one that not even the idle
+cluster could hold is refused.
 
 Approvals stay per snapshot: every start passes the controller's approval gate, and
 `stop_unrunnable` (after a revoke or a denial) stops every active run, and drops every
@@ -30,6 +34,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,18 +52,33 @@ from ajet.protocol import (
 from swarm_server.approvals import Approvals
 from swarm_server.config_check import config_hash, validate_job_yaml
 from swarm_server.devices import DevicePool, devices_needed
-from swarm_server.engine import LAST_CONFIG_KEY, EngineController, PinnedJob, job_fields
+from swarm_server.engine import (
+    LAST_CONFIG_KEY,
+    LOG_TAIL_LINES,
+    EngineController,
+    PinnedJob,
+    job_fields,
+)
 from swarm_server.engine_user import EngineUser
 from swarm_server.ledger import ACTIVE_RUN_STATUSES, Ledger, RunRecord
 from swarm_server.run_checkpoints import resolve_resume
+from swarm_server.run_files import read_log_lines
 from swarm_server.settings import Settings
 from swarm_server.snapshots import SnapshotStore
+from swarm_server.supervisor import PlacementRefused
 
 __all__ = ["RunPool"]
 
 log = logging.getLogger(__name__)
 
 ControllerFactory = Callable[[PinnedJob], EngineController]
+
+#: The `last_error`s of ended runs kept in memory (with the controller's log tail and the
+#: failing rank's traceback); older ones are rebuilt from the ledger and engine.log.
+_ENDED_ERRORS_KEPT = 256
+#: Seconds between tries of a queued run the launcher could not place (Ray), besides the
+#: try after each run's end: resources other users of the cluster free are seen too.
+PLACEMENT_RETRY_S = 30.0
 
 
 @dataclass
@@ -67,6 +87,8 @@ class _Queued:
     need: int
     queued_at: float
     role: str
+    #: the launcher's last refusal to place it (Ray), else None (it waits for slots)
+    placement: str | None = None
 
 
 class RunPool:
@@ -88,6 +110,11 @@ class RunPool:
         self._lock = threading.RLock()
         self._lanes: dict[str, EngineController] = {}  # run id -> controller (POST /runs)
         self._queue: list[_Queued] = []
+        #: run id -> its controller's `last_error`, once the run ended (its lane is gone)
+        self._ended_errors: OrderedDict[str, LastError] = OrderedDict()
+        self._placing: str | None = None  # the run being launched (a refusal is no end)
+        self._retry: threading.Timer | None = None  # the next try of an unplaced run
+        self.placement_retry_s = PLACEMENT_RETRY_S
 
     # ------------------------------------------------------------------ start / stop
 
@@ -109,7 +136,14 @@ class RunPool:
                     raise self.devices.busy(need)
                 self._enqueue(job, need, role)
                 return job.run_id
-            self._launch(job, role)
+            try:
+                self._launch(job, role)
+            except PlacementRefused as exc:
+                if exc.never or not request.queue:
+                    raise
+                queued = _Queued(job, need, time.time(), role, placement=str(exc.detail))
+                self._queue.append(queued)
+                self._requeued(queued)
         return job.run_id
 
     def stop(self, ref: str, *, role: str, reason: str) -> StopEngineResponse:
@@ -169,6 +203,9 @@ class RunPool:
         with self._lock:
             lanes = list(self._lanes.values())
             self._queue.clear()
+            if self._retry is not None:
+                self._retry.cancel()
+                self._retry = None
         for lane in lanes:
             lane.shutdown()
         self.default.shutdown()
@@ -235,11 +272,7 @@ class RunPool:
         if rec is None:
             raise SwarmNotFound(404, f"no run {run_id!r}", "GET /runs lists the runs")
         position, reason = self.queue_place(run_id)
-        last_error = None
-        if rec.status == "failed":
-            last_error = LastError(run_id=rec.id, exit_code=rec.exit_code,
-                                   reason=rec.reason or "", log_tail=[],
-                                   at=rec.ended_at or rec.started_at)
+        last_error = self._last_error(rec) if rec.status == "failed" else None
         return EngineStatus(
             state=EngineState.OFFLINE, run_id=rec.id, name=rec.name,
             snapshot_id=rec.snapshot_id, step=rec.last_step, has_config=True,
@@ -248,6 +281,18 @@ class RunPool:
             approvals_enforced=self.approvals.enforced,
             snapshot_approval=self.approvals.state(rec.snapshot_id).state,
             queue_position=position, queue_reason=reason)
+
+    def _last_error(self, rec: RunRecord) -> LastError:
+        """A failed run's own `last_error`: its controller's, kept when it ended, else
+        rebuilt from its record and the tail of its engine.log (after a server restart)."""
+        with self._lock:
+            kept = self._ended_errors.get(rec.id)
+        if kept is not None:
+            return kept
+        tail, _, _ = read_log_lines(Path(rec.run_dir) / "engine.log", tail=LOG_TAIL_LINES,
+                                    redact=self.settings.secret_values())
+        return LastError(run_id=rec.id, exit_code=rec.exit_code, reason=rec.reason or "",
+                         log_tail=tail, at=rec.ended_at or rec.started_at)
 
     def queue_place(self, run_id: str) -> tuple[int | None, str | None]:
         """(position, reason) of a queued run; (None, None) for any other."""
@@ -258,6 +303,12 @@ class RunPool:
                     free = len(self.devices.free())
                     reason = (f"needs {queued.need} device slot(s); {free} of "
                               f"{self.devices.total} free")
+                    if queued.placement is not None:
+                        reason = (f"the launcher cannot place it now ({queued.placement}); "
+                                  f"tried again when a run ends and every "
+                                  f"{self.placement_retry_s:g} s")
+                    elif self.devices.kind == "ray":
+                        reason = "the runs ahead of it are placed first (Ray, in order)"
                     if ahead:
                         reason += f"; {ahead} run(s) ahead of it"
                     return position, reason
@@ -337,8 +388,11 @@ class RunPool:
                                                          "sync_train_config first")
         record = self.snapshots.get(snapshot_id) if snapshot_id != SERVER_CODE else None
         base = self.snapshots.base_dir(record) if record is not None else None
+        # the planner checks the job against the devices it may be given (the Ray nodes'
+        # memory, or the smallest GPU slot), as for the default run's config
         checked = validate_job_yaml(self.settings, yaml_text, base_dir=base,
-                                    engine_user=self.engine_user)
+                                    engine_user=self.engine_user,
+                                    extra_env=self.default.planner_env())
         job = job_fields(checked.yaml_text)
         if isinstance(job.get("resume_from"), str) and job["resume_from"]:
             resolve_resume(str(job["resume_from"]), ledger=self.ledger,
@@ -386,12 +440,38 @@ class RunPool:
         """Start a run's controller. Caller holds `_lock`."""
         lane = self._make(job)
         self._lanes[job.run_id] = lane
+        self._placing = job.run_id
         try:
             lane.start(role=role)
         except SwarmHTTPError:
             self._lanes.pop(job.run_id, None)
             raise
+        finally:
+            self._placing = None
         self.ledger.audit("start_run", role, "ok", {"run_id": job.run_id, "name": job.name})
+
+    def _requeued(self, queued: _Queued) -> None:
+        """A run the launcher could not place is queued again: its record (which the
+        refused start closed as failed) says so, and a try is scheduled. Caller holds
+        `_lock`."""
+        run_id = queued.job.run_id
+        self._ended_errors.pop(run_id, None)
+        self.ledger.update_run(run_id, status="queued", ended_at=None, final_state=None,
+                               exit_code=None, reason=None, pid=None, pid_start_time=None)
+        self.ledger.audit("start_run", queued.role, "queued",
+                          {"run_id": run_id, "name": queued.job.name,
+                           "placement": (queued.placement or "")[:200]})
+        log.info("run %s waits: the launcher cannot place it now (%s)", run_id,
+                 queued.placement)
+        if self._retry is None:
+            self._retry = threading.Timer(self.placement_retry_s, self._retry_drain)
+            self._retry.daemon = True
+            self._retry.start()
+
+    def _retry_drain(self) -> None:
+        with self._lock:
+            self._retry = None  # a refusal in this try schedules the next
+            self._drain()
 
     def _controller(self, job: PinnedJob) -> EngineController:
         # the default controller's spawner and probe: the same processes, or in tests the
@@ -405,8 +485,14 @@ class RunPool:
     def _on_run_end(self, run_id: str) -> None:
         """A controller's run ended (its exit thread): forget its lane, start the next."""
         with self._lock:
-            self._lanes.pop(run_id, None)
-            waiting = bool(self._queue)
+            lane = self._lanes.pop(run_id, None)
+            error = (lane or self.default).last_error
+            if error is not None and error.run_id == run_id:
+                self._ended_errors[run_id] = error
+                while len(self._ended_errors) > _ENDED_ERRORS_KEPT:
+                    self._ended_errors.popitem(last=False)
+            # a start the launcher refused is no end that frees anything
+            waiting = bool(self._queue) and run_id != self._placing
         if waiting:
             threading.Thread(target=self._drain, daemon=True, name="run-queue").start()
 
@@ -417,11 +503,19 @@ class RunPool:
                 queued = self._queue.pop(0)
                 try:
                     self._launch(queued.job, queued.role)
+                except PlacementRefused as exc:
+                    if not exc.never:
+                        queued.placement = str(exc.detail)
+                        self._queue.insert(0, queued)  # still the head: none jumps ahead
+                        self._requeued(queued)
+                        break
+                    self._drop(queued, exc)  # the cluster shrank: it would wait forever
                 except SwarmHTTPError as exc:  # its snapshot lost its approval, say
-                    log.warning("queued run %s could not start: %s", queued.job.run_id,
-                                exc.detail)
-                    self.ledger.update_run(queued.job.run_id, status="failed",
-                                           ended_at=time.time(),
-                                           final_state=EngineState.OFFLINE.value,
-                                           reason=f"could not start from the queue: "
-                                                  f"{exc.detail}")
+                    self._drop(queued, exc)
+
+    def _drop(self, queued: _Queued, exc: SwarmHTTPError) -> None:
+        """A queued run that could not start is recorded as failed. Caller holds `_lock`."""
+        log.warning("queued run %s could not start: %s", queued.job.run_id, exc.detail)
+        self.ledger.update_run(queued.job.run_id, status="failed", ended_at=time.time(),
+                               final_state=EngineState.OFFLINE.value,
+                               reason=f"could not start from the queue: {exc.detail}")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import psutil
 from pydantic import ValidationError
 
+from ajet.errors import EngineStateConflict
 from ajet.protocol import EngineReport
 from swarm_server.engine_channel import TcpEndpoint
 from swarm_server.settings import SECRET_ENV_PREFIXES, Settings
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EngineProbe",
     "FakeProcess",
+    "PlacementRefused",
     "FakeSpawner",
     "PosixSpawner",
     "ProbeFactory",
@@ -104,11 +106,22 @@ class ProcessHandle:
     detail: str | None = None
 
 
+class PlacementRefused(EngineStateConflict):
+    """409 from `Spawner.start`: the launcher cannot place the run now (a Ray cluster
+    whose free resources do not hold it). `never`: nor could it with everything free, as
+    the cluster stands. The run pool queues a run refused for now and retries it."""
+
+    def __init__(self, detail: str, hint: str, *, never: bool = False) -> None:
+        super().__init__(409, detail, hint)
+        self.never = never
+
+
 class Spawner(Protocol):
     """How the engine controller starts, signals and waits for engine processes."""
 
     def start(self, spec: SpawnSpec) -> ProcessHandle:
-        """Start `spec.argv` as the leader of a new session and process group."""
+        """Start `spec.argv` as the leader of a new session and process group
+        (`PlacementRefused` when the launcher cannot place it)."""
         ...
 
     def signal_group(self, handle: ProcessHandle, sig: int) -> bool:

@@ -41,7 +41,7 @@ def test_playbooks_call_real_tools_with_real_parameters(tmp_path: Path) -> None:
     params = _tool_parameters(tmp_path)
     assert set(params) == {t.value for t in ToolName}
     playbooks = prompt_files()
-    assert {"research_loop", "debugging", "sync_rules"} <= set(playbooks)
+    assert {"research_loop", "debugging", "sync_rules", "sweeps"} <= set(playbooks)
     named: set[str] = set()
     for name, text in playbooks.items():
         calls = _CALL.findall(text)
@@ -52,3 +52,12 @@ def test_playbooks_call_real_tools_with_real_parameters(tmp_path: Path) -> None:
             assert not unknown, f"{name}.md passes {sorted(unknown)} to {tool}"
             named.add(tool)
     assert named == set(params), f"tools no playbook shows: {sorted(set(params) - named)}"
+
+
+def test_the_sweeps_playbook_shows_a_sweep_of_named_runs() -> None:
+    calls = {(tool, param) for tool, args in _CALL.findall(prompt_files()["sweeps"])
+             for param in _PARAM.findall(args)}
+    for step in (("list_runs", "state"), ("start_engine", "name"), ("start_engine", "config"),
+                 ("start_engine", "snapshot_id"), ("start_rollouts", "run_id"),
+                 ("compare_runs", "run_ids"), ("stop_engine", "run_id")):
+        assert step in calls, f"sweeps.md does not show {step[0]}({step[1]}=...)"

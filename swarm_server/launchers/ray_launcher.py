@@ -39,13 +39,13 @@ from typing import Any
 
 import yaml
 
-from ajet.errors import SwarmHTTPError
 from ajet.protocol import EngineReport
 from swarm_server.engine_channel import ChannelTarget, TcpEndpoint
 from swarm_server.launchers.ajet_ray_job.wire import MARK, SPEC_ENV, parse_marker
 from swarm_server.settings import Settings
 from swarm_server.supervisor import (
     EngineProbe,
+    PlacementRefused,
     ProcessHandle,
     SpawnSpec,
     TcpProbe,
@@ -71,12 +71,14 @@ AGENT_WAIT_S = 60.0
 _NO_AGENT = "No available agent to submit job"
 
 
-class RayPlacementRefused(SwarmHTTPError):
-    """409: the Ray cluster cannot hold the run now; the detail says what is free."""
+class RayPlacementRefused(PlacementRefused):
+    """409: the Ray cluster cannot hold the run now (`never`: nor with every node idle);
+    the detail says what is free."""
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(409, detail, "free resources on the Ray cluster (stop another run), "
-                         "add nodes, or ask for fewer nodes (nnodes) or GPUs per node (n_gpu)")
+    def __init__(self, detail: str, *, never: bool = False) -> None:
+        super().__init__(detail, "free resources on the Ray cluster (stop another run), "
+                         "add nodes, or ask for fewer nodes (nnodes) or GPUs per node (n_gpu)",
+                         never=never)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,7 @@ class _RayRun:
     endpoint: TcpEndpoint | None = None
     nodes: list[dict[str, Any]] = field(default_factory=list)
     refused: str | None = None
+    never: bool = False  # refused, and no idle cluster of these nodes would hold it
     verdict: dict[str, Any] | None = None
     returncode: int | None = None
     status: str | None = None
@@ -236,7 +239,7 @@ class RaySpawner:
                           f"{self.settings.ray_submit_timeout_s:g} s of its submission; "
                           f"its log: {' | '.join(run.tail[-5:]) or '(empty)'}")
         if run.refused is not None:
-            raise RayPlacementRefused(f"run {run_id}: {run.refused}")
+            raise RayPlacementRefused(f"run {run_id}: {run.refused}", never=run.never)
         if not run.nodes:
             raise OSError(f"the Ray job {job_id} ended ({run.status}) before it placed run "
                           f"{run_id}: {(run.verdict or {}).get('detail') or ''} "
@@ -394,6 +397,7 @@ class RaySpawner:
             run.placed.set()
         elif kind == "refused":
             run.refused = str(event.get("reason") or "the cluster cannot hold the run")
+            run.never = bool(event.get("never"))
             out.write(f"[ray job] refused: {run.refused}\n")
             run.placed.set()
         elif kind == "channel":

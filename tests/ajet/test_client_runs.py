@@ -80,6 +80,21 @@ def test_open_episode_names_its_run_and_the_runner_passes_it_on() -> None:
         begins = [b for m, p, _, b in fake.requests if p == "/begin_episode"]
         assert begins[-1]["run_id"] == "no-such-run"
 
+        # a run that ended: its workers stop (saying so) instead of waiting for it forever,
+        # and never move on to another run, here a new one of the same name
+        client.stop_run("rank8")
+        client.start_run(name="rank8")
+        since = len(fake.requests)
+        runner = RolloutRunner(client, workflow, [{"task_id": "t"}], n_workers=1,
+                               run_id=run.run_id)
+        runner.start()
+        assert runner.join(timeout=10)
+        stopped = runner.stats().stopped_reason or ""
+        assert f"({run.run_id}) has ended" in stopped and "start a run" in stopped
+        assert runner.stats().run_ended  # the bridge does not call that a failing workflow
+        assert {b["run_id"] for m, p, _, b in fake.requests[since:] if p == "/begin_episode"
+                } == {run.run_id}
+
 
 def test_wait_follows_one_run_and_errors_carry_the_servers_words() -> None:
     fake = FakeRunsServer(slots=1)

@@ -166,3 +166,11 @@ async def test_the_model_sees_run_arguments_and_how_to_sweep(bridge: Bridge,
         assert structured(runs)["devices"]["held"]
         refused = await client.call_tool("start_engine", {"name": "r1"})
         assert_names_next(refused)
+
+
+def test_rollouts_claim_from_the_resolved_run_id_not_a_name_a_later_run_may_take() -> None:
+    from mcp_bridge.rollouts import _claim_from
+
+    assert _claim_from("rank8", "20261204-120000-abcdef") == "20261204-120000-abcdef"
+    assert _claim_from("rank8", None) == "rank8"  # not resolved: as given
+    assert _claim_from(None, "20261204-120000-abcdef") is None  # the default run, followed

@@ -3,9 +3,13 @@ and device slots, with the stand-in engine (`tests.support.fake_engine`).
 
 Two runs on two snapshots both serve, each with its own slot in its environment; a third
 waits in the queue (position and reason shown) and starts when one stops; an episode key
-reaches only its own run's engine, and dies with that run while the other goes on;
-revoking a snapshot stops only the runs on it; the original client drives the default
-run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
+reaches only its own run's engine (a worker of run A trying run B's episode, a key re-signed
+for run B, or an end naming run B gets nowhere), and dies with that run while the other
+goes on;
+a queued run waits again after a server restart; revoking a snapshot stops only the runs
+on it; a run that crashes goes OFFLINE on its own
+with its own `last_error` (log tail included) while the others go on; the original client
+drives the default run beside a run of `POST /runs`; refusals (never fits, name taken, busy without
 queueing) name the next call and record nothing.
 """
 
@@ -29,8 +33,9 @@ from tests.support import (
     WORKER_TOKEN,
     make_ajet_repo,
 )
+from tests.support.app import app_server
 from tests.support.factory import Server, ServerFactory
-from tests.support.fake_engine import server_env
+from tests.support.fake_engine import server_env, set_behaviour
 from tests.support.harness import wait_until
 
 ROLLING = EngineState.ROLLING.value
@@ -156,6 +161,25 @@ def test_an_episode_key_reaches_only_its_own_run(
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["message"]["content"] == f"run {run['run_id']}"
 
+    # a worker of run A cannot cross to run B: naming B's episode in the header the server
+    # sets itself changes nothing, and a genuine key whose run is B's is refused (the key
+    # binds its run; the server's own table says the episode is A's)
+    with srv.http_as(episode_a["openai_api_key"]) as worker_a:
+        crossed = worker_a.post("/v1/chat/completions",
+                                headers={"X-Episode-UUID": episode_b["episode_uuid"]},
+                                json={"model": "m", "messages": [{"role": "user",
+                                                                  "content": "hi"}]})
+    assert crossed.json()["choices"][0]["message"]["content"] == f"run {a['run_id']}"
+    signer = srv.app.state.ctx.episodes.signer  # type: ignore[union-attr]
+    rebound, _ = signer.sign(b["run_id"], episode_a["episode_uuid"])
+    refused = _chat(srv, rebound)
+    assert refused.status_code == 401 and "unknown episode for this key" in refused.text
+    with srv.http_as(WORKER_TOKEN) as worker:
+        aimed = worker.post("/end_episode", json={"episode_uuid": episode_a["episode_uuid"],
+                                                  "task_id": "t", "reward": 1.0,
+                                                  "run_id": b["run_id"]})
+        assert aimed.status_code == 422  # an episode's run is the server's, never the body's
+
     # run A ends: its keys die with it, while run B's go on
     control.post("/runs/key-a/stop", json={})
     refused = _chat(srv, episode_a["openai_api_key"])
@@ -200,6 +224,30 @@ def test_revoking_a_snapshot_stops_only_the_runs_on_it(
     assert refused.status_code == 409 and "revoked" in refused.text
 
 
+def test_a_run_that_crashes_goes_offline_on_its_own_with_its_own_last_error(
+        srv: Server, snapshots: list[str], control: httpx.Client) -> None:
+    survivor = _start(control, snapshots[0], "survivor")
+    _wait_state(control, "survivor", ROLLING)
+    set_behaviour(srv.workdir, mode="crash_at_boot", exit_code=7)  # the next engine only
+    try:
+        crasher = _start(control, snapshots[1], "crasher")
+        wait_until(lambda: _status(control, "crasher")["last_error"] is not None, timeout=30)
+    finally:
+        set_behaviour(srv.workdir)
+    status = _status(control, crasher["run_id"])
+    assert status["state"] == EngineState.OFFLINE.value
+    error = status["last_error"]
+    assert error["run_id"] == crasher["run_id"] and error["exit_code"] == 7
+    assert "exited with code 7 while ENGINE.BOOTING" in error["reason"]
+    assert "RuntimeError: fake boot failure" in error["log_tail"]  # what the agent reads
+    # the others are untouched: the survivor serves, the default run has no error, and
+    # the crashed run's slot is free again
+    assert _status(control, "survivor")["state"] == ROLLING
+    assert control.get("/get_engine_status").json()["last_error"] is None
+    devices = control.get("/runs", params={"state": "active"}).json()["devices"]
+    assert set(devices["held"]) == {survivor["run_id"]} and len(devices["free"]) == 1
+
+
 def test_the_original_client_drives_the_default_run_beside_a_run_of_post_runs(
         server_factory: ServerFactory) -> None:
     from ajet.tuner_lib.experimental.swarm_client import SwarmClient as OriginalClient
@@ -223,6 +271,19 @@ def test_the_original_client_drives_the_default_run_beside_a_run_of_post_runs(
         control.post("/runs/beside/stop", json={})
 
 
+def test_a_queued_run_waits_again_after_a_server_restart(tmp_path: Path) -> None:
+    env = server_env(AJET_SWARM_DEVICES="1")
+    with app_server(tmp_path / "swarm", env=env) as first, first.http_as(None) as http:
+        head = _start(http, "server", "head")
+        assert _start(http, "server", "behind")["status"] == "queued"
+    # the shutdown stopped the head run; the queued one is a ledger row the next server
+    # queues again, and starts on the slot that is now free
+    with app_server(tmp_path / "swarm", env=env) as second, second.http_as(None) as http:
+        _wait_state(http, "behind", ROLLING)
+        assert http.get(f"/runs/{head['run_id']}").json()["status"] == "ended"
+        http.post("/runs/behind/stop", json={"reason": "test done"})
+
+
 def test_refusals_say_why_and_what_to_do(
         srv: Server, snapshots: list[str], control: httpx.Client) -> None:
     big = AgentJetJob(n_proc=3).to_yaml()
@@ -233,6 +294,8 @@ def test_refusals_say_why_and_what_to_do(
     taken = control.post("/runs", json={"snapshot_id": snapshots[0], "yaml": JOB,
                                         "name": "only-one"})
     assert taken.status_code == 409 and "already named" in taken.json()["detail"]
+    reserved = control.post("/runs", json={"yaml": JOB, "name": "current"})
+    assert reserved.status_code == 422 and "names the default run" in reserved.text
     _start(control, snapshots[1], "second")
     busy = control.post("/runs", json={"snapshot_id": snapshots[0], "yaml": JOB,
                                        "queue": False})

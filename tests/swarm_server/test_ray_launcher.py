@@ -191,6 +191,11 @@ def test_a_run_the_cluster_cannot_hold_is_refused_with_what_is_free(
         status = client.engine_status()
         assert status.state == EngineState.OFFLINE
         assert status.last_error is not None and "cannot hold" in status.last_error.reason
+        # beside other runs: no idle cluster of two nodes holds three, so no queue either
+        with pytest.raises(SwarmHTTPError) as never:
+            client.start_run(AgentJetJob(**{**JOB, "nnodes": 3}), name="three-nodes")
+        assert never.value.status == 409 and "cannot hold" in str(never.value.detail)
+        assert client.list_runs(state="active").devices.queued == []  # type: ignore[union-attr]
 
 
 @pytest.fixture

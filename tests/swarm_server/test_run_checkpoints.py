@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from ajet.protocol import EngineState
+from ajet.copilot.job import AgentJetJob
+from ajet.protocol import SERVER_CODE, EngineState
 from ajet.errors import SwarmValidationError
-from swarm_server.engine import run_limits
+from swarm_server.engine import EngineController, PinnedJob, run_limits
 from swarm_server.run_checkpoints import complete_checkpoints, saves_in_progress
 from swarm_server.settings import Settings
 from tests.support.harness import Harness, make_harness, serve, wait_until
@@ -128,6 +129,30 @@ def test_resume_latest_continues_the_experiments_last_checkpoint(h: Harness) -> 
         argv = proc.spec.argv  # type: ignore[attr-defined]
         assert argv[argv.index("--resume") + 1] == str(step_4.resolve())
         h.ctl.stop(role="control", reason="test")
+
+
+def test_resume_latest_is_the_experiments_latest_run_whichever_way_it_started(
+        h: Harness) -> None:
+    """A run of POST /runs (its own controller, pinned to its job) counts for the default
+    run's `latest`, and a newer run of another experiment, beside it, does not."""
+    def side_run(run_id: str, experiment: str, step: int) -> None:
+        job = AgentJetJob(experiment_name=experiment).to_yaml()
+        lane = EngineController(h.settings, h.ledger, h.ctl.snapshots, spawner=h.spawner,
+                                probe=h.spawner.probe, pinned=PinnedJob(run_id, SERVER_CODE,
+                                                                        job, name=run_id))
+        lane.start(role="control")
+        serve(h.spawner.latest())
+        wait_until(lambda: lane.state is S.ROLLING)
+        _checkpoint(lane.run_dir(run_id) / "checkpoints" / f"step_{step}", step, run_id)
+        lane.stop(role="control", reason="test")
+
+    side_run("side-exp", "exp", 4)
+    side_run("side-other", "other", 9)  # newer, and with a later step: another experiment
+    resumed, proc = _run(h, resume_from="latest")
+    argv = proc.spec.argv  # type: ignore[attr-defined]
+    assert Path(argv[argv.index("--resume") + 1]).parent.parent.name == "side-exp"
+    record = h.ledger.get_run(resumed)
+    assert record is not None and (record.resumed_from, record.resume_step) == ("side-exp", 4)
 
 
 def test_resume_from_nothing_is_refused_with_a_hint(h: Harness) -> None:

@@ -106,6 +106,9 @@ def test_starts_take_the_standby_and_run_the_synced_code(warm_server: ServerHand
         first = client.start_run(wait=True, wait_timeout=30)
         assert first.pid == first_standby
         assert WARM_LINE in engine_log(warm_server, first)
+        # the run's device slot is set per start: the standby was started before it
+        assert first.devices and (f"AJET_ENGINE_DEVICE_SLOTS={first.devices[0]}"
+                                  in engine_log(warm_server, first))
 
         second_standby = standby_pid(warm_server, not_pid=first_standby)
         patch_marker(ajet_repo, "ajet/__init__.py", "PATCHED-INIT-RAN")

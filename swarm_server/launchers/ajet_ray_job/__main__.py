@@ -78,6 +78,12 @@ def _free_per_node() -> list[tuple[str, str, dict[str, float]]]:
     return out
 
 
+def _could_ever_hold(bundle: dict[str, float], nnodes: int) -> bool:
+    """Whether the alive nodes' total resources (everything free) could hold the run."""
+    totals = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
+    return sum(all(t.get(k, 0.0) >= v for k, v in bundle.items()) for t in totals) >= nnodes
+
+
 def _capacity_problem(bundle: dict[str, float], nnodes: int) -> str | None:
     nodes = _free_per_node()
     fitting = [n for n in nodes if all(n[2].get(k, 0.0) >= v for k, v in bundle.items())]
@@ -139,7 +145,9 @@ def main() -> int:
         bundle["GPU"] = float(spec["n_gpu"])
     problem = _capacity_problem(bundle, nnodes)
     if problem is not None:
-        _say(marker("refused", reason=problem))
+        # `never`: not even an idle cluster of these nodes holds it (the server refuses it
+        # instead of queueing it)
+        _say(marker("refused", reason=problem, never=not _could_ever_hold(bundle, nnodes)))
         return REFUSED
     pg = placement_group([dict(bundle) for _ in range(nnodes)], strategy="STRICT_SPREAD",
                          name=f"ajet-{spec['run_id']}")
@@ -147,7 +155,7 @@ def main() -> int:
         if not pg.wait(float(spec["placement_timeout_s"])):
             again = _capacity_problem(bundle, nnodes) or (
                 f"the placement group was not ready within {spec['placement_timeout_s']:g} s")
-            _say(marker("refused", reason=again))
+            _say(marker("refused", reason=again, never=not _could_ever_hold(bundle, nnodes)))
             return REFUSED
         return _run(spec, pg, bundle, stopping)
     finally:

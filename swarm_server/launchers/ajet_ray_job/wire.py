@@ -5,7 +5,8 @@ that starts with `MARK` is not log text but one JSON event:
 
 - `placed`: the placement group holds one bundle per node; `nodes` lists each node's
   index, Ray node id, address and host name, and the pid and start time of its torchrun;
-- `refused`: the cluster cannot hold the run; `reason` says why and what is free;
+- `refused`: the cluster cannot hold the run; `reason` says why and what is free,
+  `never` whether not even the nodes' total resources would hold it;
 - `channel`: rank 0's private channel listens on `host`:`port` (TCP, bearer token);
 - `exit`: the driver's verdict as it ends: `code` (its exit code), `detail` (which node
   and rank ended the run, and how), `stopped` (it ended on a stop request).
