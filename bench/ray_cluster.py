@@ -14,6 +14,7 @@ swarm server, needs.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,12 @@ def local_ray_cluster(nodes: int = 2, *, cpus_per_node: int = 1, head_cpus: int 
     saved = {name: os.environ.get(name) for name in _AUTH_VARS}
     client_env: dict[str, str] = {}
     if auth_token is not None:
+        if "ray._raylet" in sys.modules:
+            # Ray reads its authentication mode once, at its first import: this process's
+            # own connection to the new cluster would go without the token
+            raise RuntimeError("a token-authenticated local Ray cluster must be started "
+                               "before this process imports ray; import ray lazily in the "
+                               "modules a test imports at collection")
         client_env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": auth_token}
         os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         os.environ.update(client_env)

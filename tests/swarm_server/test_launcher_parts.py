@@ -25,7 +25,7 @@ from ajet.engine.transport.unix_server import BearerGuard, ChannelServer
 from ajet.protocol import EngineReport, EngineState
 from swarm_server.config_check import launcher_problem
 from swarm_server.engine_channel import EngineChannel, TcpEndpoint
-from swarm_server.launchers.ajet_ray_job.__main__ import _verdict
+from swarm_server.launchers.ajet_ray_job.verdict import verdict
 from swarm_server.launchers.ajet_ray_job.agent import _code_base
 from swarm_server.launchers.ajet_ray_job.wire import SPEC_ENV, marker
 from swarm_server.launchers.ray_launcher import RaySpawner, node_memory_env
@@ -127,10 +127,10 @@ def test_the_driver_names_the_rank_that_ended_first() -> None:
              for i in range(2)]
     states = [{"exit_code": 1, "first_end": {"rank": 0, "pid": 7, "at": 20.0}},
               {"exit_code": 1, "first_end": {"rank": 1, "pid": 9, "at": 10.0}}]
-    code, detail = _verdict(states, infos)
+    code, detail = verdict(states, infos)
     assert code == 1 and detail.startswith("rank 1 (pid 9) on node 1 (10.0.0.1, host h1")
     clean = [{"exit_code": 0, "first_end": None}, {"exit_code": 0, "first_end": None}]
-    assert _verdict(clean, infos) == (0, "every node's engine exited with code 0")
+    assert verdict(clean, infos) == (0, "every node's engine exited with code 0")
 
 
 def test_under_ray_the_engine_interpreter_must_be_an_absolute_path(tmp_path: Path) -> None:

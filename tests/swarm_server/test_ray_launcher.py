@@ -36,6 +36,7 @@ from mcp_bridge.models import ApprovalMode
 from tests.support import make_ajet_repo, start_server
 from tests.support.servers import ServerHandle
 
+SERVING = ("ENGINE.ROLLING", "ENGINE.ROLLING_POST", "ENGINE.WEIGHT_SYNCING")
 pytestmark = pytest.mark.slow
 
 JOB = dict(batch_size=1, num_repeat=4, max_new_tokens=8, lr=0.01, seed=3, n_proc=1, nnodes=2)
@@ -246,7 +247,8 @@ def test_two_nodes_generate_train_log_and_stop_through_the_bridge(
             time.sleep(0.2)
         assert all(p["episodes"] == JOB["num_repeat"] for p in client.get_metrics().points)
         status = tools.engine_status(bridge)
-        assert status.engine_state == "ENGINE.ROLLING" and status.run_id == run_id
+        # serving: the last step's metrics line can come before its weights are published
+        assert status.engine_state in SERVING and status.run_id == run_id
         listed = tools.list_runs(bridge, state="active")
         assert listed.devices is not None and listed.devices.kind == "ray"
         assert "on a Ray cluster" in listed.message

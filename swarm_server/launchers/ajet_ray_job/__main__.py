@@ -32,6 +32,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from .agent import NodeAgent
+from .verdict import verdict, where
 from .wire import SPEC_ENV, marker
 
 #: A drain slower than this means the agent's node is gone or wedged.
@@ -93,29 +94,6 @@ def _capacity_problem(bundle: dict[str, float], nnodes: int) -> str | None:
     return (f"the Ray cluster cannot hold this run: it needs {nnodes} node(s) each with "
             f"{_fmt(bundle)} free (one bundle per node, STRICT_SPREAD), and {len(fitting)} of "
             f"its {len(nodes)} alive node(s) have that; free now: {free or 'no node'}")
-
-
-def _where(info: dict[str, Any]) -> str:
-    return f"node {info['index']} ({info['ip']}, host {info['host']}, Ray node {info['node_id'][:8]})"
-
-
-def _verdict(states: list[dict[str, Any]], infos: list[dict[str, Any]]) -> tuple[int, str]:
-    """(exit code, who ended the run) once some node's torchrun has ended."""
-    ends = [(s["first_end"]["at"], i) for i, s in enumerate(states) if s.get("first_end")]
-    if ends:
-        _, culprit = min(ends)
-    else:
-        culprit = next(i for i, s in enumerate(states) if s["exit_code"] is not None)
-    state, end = states[culprit], states[culprit].get("first_end")
-    code = state["exit_code"] if state["exit_code"] is not None else 1
-    if end and end.get("rank") is not None:
-        detail = (f"rank {end['rank']} (pid {end['pid']}) on {_where(infos[culprit])} ended "
-                  f"first; that node's torchrun exited with code {code}")
-    else:
-        detail = f"the engine on {_where(infos[culprit])} exited with code {code}"
-    if all(s["exit_code"] == 0 for s in states):
-        return 0, "every node's engine exited with code 0"
-    return (code if code != 0 else 1), detail
 
 
 def _forward(states: list[dict[str, Any]]) -> None:
@@ -201,7 +179,7 @@ def _run(spec: dict[str, Any], pg: Any, bundle: dict[str, float],
                                                 f"{codes})", stopped=True))
             return 0
         if any(s["exit_code"] is not None for s in states):
-            code, detail = _verdict(states, infos)
+            code, detail = verdict(states, infos)
             _terminate(agents, _AFTER_FAILURE_GRACE_S)
             _say(marker("exit", code=code, detail=detail, stopped=False))
             return code
@@ -215,7 +193,7 @@ def _lost_nodes(agents: list[Any], infos: list[dict[str, Any]], per_node: int) -
         try:
             ray.get(agent.drain.remote(), timeout=5)
         except Exception:  # noqa: BLE001
-            lost.append(f"{_ranks_of(info['index'], per_node)} on {_where(info)}")
+            lost.append(f"{_ranks_of(info['index'], per_node)} on {where(info)}")
     return ", ".join(lost)
 
 
