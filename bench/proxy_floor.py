@@ -1,0 +1,184 @@
+"""The floor under the episode plane's CPU budget: what uvicorn itself costs per call.
+
+    python -m bench.proxy_floor [--calls 2000]
+
+Measures the server CPU time per call (user + system of the serving process, `psutil`)
+of three bare servers on this machine, each a `uvicorn.run` subprocess with httptools,
+uvloop and no access log, called one request at a time by the same `httpx.AsyncClient`
+code as `bench_episodes` with a chat-sized JSON body:
+
+- `fixed`: a plain ASGI app that reads the body and answers a fixed 200-byte JSON body
+  (no framework, no routing, no auth): uvicorn's own share of every call;
+- `proxy`: the same app, but it forwards the body over the server's `EngineChannel` to a
+  second such `fixed` server on a Unix socket and relays its answer (the CPU is the
+  proxy's only): the least a proxying server can spend;
+- `fastapi`: one FastAPI route (`Request` in, `Response` out), for scale.
+
+The swarm server's own figure (`python -m bench --only episodes`) does the proxy's work
+plus the gates (credential, episode key, body bound), JSON validation and the gateway's
+table; the difference to `proxy` is what this project's code costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+__all__ = ["main"]
+
+_ANSWER = (b'{"id":"chatcmpl-0","object":"chat.completion","model":"ajet-tiny","choices":'
+           b'[{"index":0,"message":{"role":"assistant","content":"42"},"finish_reason":'
+           b'"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":2,"total_tokens":22}}')
+_BODY = {"model": "ajet-tiny", "max_tokens": 16,
+         "messages": [{"role": "user", "content": "Add 17 and 25; answer in digits."}]}
+_HEAD = [(b"content-type", b"application/json"),
+         (b"content-length", str(len(_ANSWER)).encode())]
+
+
+async def _read_body(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _fixed(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    await _read_body(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": _HEAD})
+    await send({"type": "http.response.body", "body": _ANSWER})
+
+
+def _proxy_app(socket_path: str) -> Any:
+    from swarm_server.engine_channel import EngineChannel
+
+    channel = EngineChannel(Path(socket_path), timeout_s=30)
+
+    async def proxy(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body = await _read_body(receive)
+        reply, content = await channel.request("POST", scope["path"], body)
+        await send({"type": "http.response.start", "status": reply.status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(content)).encode())]})
+        await send({"type": "http.response.body", "body": content})
+
+    return proxy
+
+
+def _fastapi_app() -> Any:
+    from fastapi import FastAPI, Request, Response
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        await request.body()
+        return Response(_ANSWER, media_type="application/json")
+
+    return app
+
+
+def _serve(kind: str, port: int, uds: str | None, upstream: str | None) -> None:
+    import uvicorn
+
+    app = (_fixed if kind == "fixed" else _fastapi_app() if kind == "fastapi"
+           else _proxy_app(str(upstream)))
+    uvicorn.run(app, host="127.0.0.1", port=port, uds=uds, http="httptools", loop="uvloop",
+                access_log=False, log_level="warning", lifespan="off")
+
+
+def _start(kind: str, *, port: int = 0, uds: str | None = None,
+           upstream: str | None = None) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "bench.proxy_floor", "--serve", kind, "--port", str(port)]
+    if uds:
+        argv += ["--uds", uds]
+    if upstream:
+        argv += ["--upstream", upstream]
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return float(times.user + times.system)
+
+
+async def _measure(url: str, proc: psutil.Process, calls: int) -> float:
+    """Server CPU seconds per call, one call at a time."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await client.post("/v1/chat/completions", json=_BODY)
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        for _ in range(200):  # warm up
+            await client.post("/v1/chat/completions", json=_BODY)
+        cpu0 = _cpu_s(proc)
+        for _ in range(calls):
+            response = await client.post("/v1/chat/completions", json=_BODY)
+            if response.status_code != 200:
+                raise RuntimeError(f"answered {response.status_code}: {response.text[:200]}")
+        return (_cpu_s(proc) - cpu0) / calls
+
+
+def _free_port() -> int:
+    from bench.harness import free_port
+
+    return free_port()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.proxy_floor",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--serve", choices=("fixed", "proxy", "fastapi"), help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--uds", help=argparse.SUPPRESS)
+    p.add_argument("--upstream", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.serve:
+        _serve(args.serve, args.port, args.uds, args.upstream)
+        return 0
+    results: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="ajf-") as tmp:
+        upstream = os.path.join(tmp, "engine.sock")
+        engine = _start("fixed", uds=upstream)
+        try:
+            for kind in ("fixed", "proxy", "fastapi"):
+                port = _free_port()
+                server = _start(kind, port=port, upstream=upstream)
+                try:
+                    results[kind] = asyncio.run(_measure(f"http://127.0.0.1:{port}",
+                                                         psutil.Process(server.pid), args.calls))
+                finally:
+                    server.terminate()
+                    server.wait(timeout=30)
+        finally:
+            engine.terminate()
+            engine.wait(timeout=30)
+    for kind, seconds in results.items():
+        sys.stdout.write(f"{kind:8s} {seconds * 1000:.3f} ms server CPU per call "
+                         f"({args.calls} calls, one at a time)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
