@@ -135,7 +135,8 @@ def _per_call_rows(stats: pstats.Stats, idle: pstats.Stats, idle_scale: float, n
     return [(calls, seconds, name) for seconds, calls, name in rows[:top_n]]
 
 
-async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int) -> list[str]:
+async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int, *,
+                          cpu_clock: bool) -> list[str]:
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     out: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
@@ -174,7 +175,8 @@ async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int) -> list
             out += [f"{kind}: {calls:.0f} Python function calls per call "
                     f"({stats.total_calls} in {n} calls, "  # type: ignore[attr-defined]
                     f"idle window's {idle_calls * scale:.0f} removed)",
-                    "  cumulative (calls/call, ms/call under the profiler):"]
+                    f"  cumulative (calls/call, ms/call under the profiler, "
+                    f"{'CPU' if cpu_clock else 'wall'} clock):"]
             out += [f"  {c:8.2f} {1000 * s:8.3f}  {name}"
                     for c, s, name in _per_call_rows(stats, idle, scale, n, 3, top_n)]
             out += ["  own time:"]
@@ -190,15 +192,18 @@ def _cprofile(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="ajp-"))
     out = args.out.with_suffix(".pstats").resolve()
     try:
-        with LocalServer(root / "server", module="bench.profiled_server",
-                         env={"AJET_BENCH_PSTATS": str(out)}) as server, \
+        env = {"AJET_BENCH_PSTATS": str(out)}
+        if args.cpu_clock:
+            env["AJET_BENCH_PSTATS_TIMER"] = "thread"
+        with LocalServer(root / "server", module="bench.profiled_server", env=env) as server, \
                 server.client() as client:
             client.submit_config(tiny_job(batch_size=64, num_repeat=2))
             client.start_run()
             wait_rolling_on(client, None, previous_run=None)
             assert server.pid is not None
             lines = asyncio.run(_cprofile_kinds(server.url, _Switch(server.pid, out),
-                                                args.cprofile, args.top))
+                                                args.cprofile, args.top,
+                                                cpu_clock=args.cpu_clock))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     sys.stdout.write("\n".join(lines) + "\n")
@@ -217,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample only the thread holding the GIL (Python work, no syscalls)")
     p.add_argument("--cprofile", type=int, metavar="N", default=0,
                    help="count Python calls with cProfile over N calls of each kind instead")
+    p.add_argument("--cpu-clock", action="store_true",
+                   help="with --cprofile: time functions by the thread's CPU time, not wall")
     args = p.parse_args(argv)
     if args.cprofile:
         return _cprofile(args)

@@ -33,6 +33,8 @@ from typing import Any
 
 import httpx
 import psutil
+from starlette.requests import Request
+from starlette.responses import Response
 
 __all__ = ["main"]
 
@@ -81,7 +83,7 @@ def _proxy_app(socket_path: str) -> Any:
 
 
 def _fastapi_app() -> Any:
-    from fastapi import FastAPI, Request, Response
+    from fastapi import FastAPI
 
     app = FastAPI()
 
