@@ -97,7 +97,8 @@ def _base_url(request: Request) -> str:
         if name == b"host":
             host = value
             break
-    key = (scope.get("scheme"), scope.get("server"), host,
+    server = scope.get("server")  # a tuple from uvicorn, a list from some servers
+    key = (scope.get("scheme"), tuple(server) if server else server, host,
            scope.get("app_root_path", scope.get("root_path", "")))
     url = _BASE_URLS.get(key)
     if url is None:
