@@ -14,6 +14,13 @@ code as `bench_episodes` with a chat-sized JSON body:
   proxy's only): the least a proxying server can spend;
 - `fastapi`: one FastAPI route (`Request` in, `Response` out), for scale.
 
+`--engine` measures the `proxy` once more in front of a real engine (ajet-tiny, started
+by a swarm server as `bench_episodes` does) with the bench's own workload and CPU phase
+(begin, chat, end, kind by kind, the idle CPU subtracted; the chat sends the episode id
+as `X-Episode-UUID`, as the gateway does): the floor of `bench_episodes`' CPU row under
+the same conditions. A chat there costs more than a begin even with no gates at all: the
+engine's generation between request and reply leaves the server's caches cold.
+
 The swarm server's own figure (`python -m bench --only episodes`) does the proxy's work
 plus the gates (credential, episode key, body bound), JSON validation and the gateway's
 table; the difference to `proxy` is what this project's code costs.
@@ -35,6 +42,8 @@ import httpx
 import psutil
 from starlette.requests import Request
 from starlette.responses import Response
+
+from bench.bench_episodes import _Samples
 
 __all__ = ["main"]
 
@@ -73,7 +82,9 @@ def _proxy_app(socket_path: str) -> Any:
         if scope["type"] != "http":
             return
         body = await _read_body(receive)
-        reply, content = await channel.request("POST", scope["path"], body)
+        episode = [("x-episode-uuid", v.decode()) for k, v in scope["headers"]
+                   if k == b"x-episode-uuid"]
+        reply, content = await channel.request("POST", scope["path"], body, headers=episode)
         await send({"type": "http.response.start", "status": reply.status,
                     "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(content)).encode())]})
@@ -141,6 +152,51 @@ async def _measure(url: str, proc: psutil.Process, calls: int) -> float:
         return (_cpu_s(proc) - cpu0) / calls
 
 
+def _against_engine(calls: int) -> dict[str, float]:
+    """The bare proxy's CPU per call, kind by kind, in front of a real engine."""
+    import shutil
+
+    from bench.bench_episodes import _engine_socket, _server_cpu, _Way
+    from bench.harness import LocalServer, tiny_job, wait_rolling_on
+
+    root = Path(tempfile.mkdtemp(prefix="ajf-"))
+    try:
+        with LocalServer(root / "server") as server, server.client() as client:
+            client.submit_config(tiny_job(batch_size=64, num_repeat=2))
+            client.start_run()
+            status = wait_rolling_on(client, None, previous_run=None)
+            assert status.run_id is not None
+            socket = _engine_socket(server.workdir, status.run_id)
+            port = _free_port()
+            proxy = _start("proxy", port=port, upstream=str(socket))
+            try:
+                async def measure() -> dict[str, float]:
+                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
+                                                 timeout=60) as http:
+                        way = _Way(http, proxied=False)  # the engine's own headers
+                        deadline = time.monotonic() + 30
+                        while True:
+                            try:
+                                await way.cycle(_Samples())
+                                break
+                            except httpx.TransportError:
+                                if time.monotonic() > deadline:
+                                    raise
+                                await asyncio.sleep(0.05)
+                        for _ in range(5):
+                            await way.cycle(_Samples())
+                        cpu = await _server_cpu(way, psutil.Process(proxy.pid), rounds=1,
+                                                per_round=calls, idle_s=3.0)
+                        return {**cpu.per_call, "mean": cpu.mean}
+
+                return asyncio.run(measure())
+            finally:
+                proxy.terminate()
+                proxy.wait(timeout=30)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _free_port() -> int:
     from bench.harness import free_port
 
@@ -151,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.proxy_floor",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--engine", action="store_true",
+                   help="also the bare proxy in front of a real engine, kind by kind")
     p.add_argument("--serve", choices=("fixed", "proxy", "fastapi"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--uds", help=argparse.SUPPRESS)
@@ -179,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     for kind, seconds in results.items():
         sys.stdout.write(f"{kind:8s} {seconds * 1000:.3f} ms server CPU per call "
                          f"({args.calls} calls, one at a time)\n")
+    if args.engine:
+        per_kind = _against_engine(min(args.calls, 100))
+        sys.stdout.write("proxy in front of a real engine (ajet-tiny), ms server CPU per "
+                         "call: " + ", ".join(f"{k} {v * 1000:.3f}" for k, v in
+                                              per_kind.items()) + "\n")
     return 0
 
 
