@@ -224,9 +224,11 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
             if self._head_bytes > self.max_header_bytes:
                 self._refuse_large_head()
                 return
+            self._arm()  # `_follow`, for the case at hand
         else:
             self._head_bytes = 0
-        self._follow()
+            if self._header_timer is not None:
+                self._disarm()  # headers complete (or closing): the body and route take over
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

@@ -406,7 +406,7 @@ class LimitsMiddleware:
         limit = rule.bound(self.ctx) if rule.bound is not None else self.settings.max_json_bytes
         if anonymous:
             limit = min(limit, ANONYMOUS_BODY_BYTES)
-        declared = request_headers(scope).get("content-length")
+        declared = _raw_header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit, rule.knob)
         chunks: list[bytes] = []
@@ -424,15 +424,17 @@ class LimitsMiddleware:
                 return b"".join(chunks)
 
     def _check_json(self, body: bytes) -> None:
-        if body and not _is_utf8(body):
+        if not body:
+            return
+        if not _is_utf8(body):
             raise SwarmValidationError(
                 400, "request body is not UTF-8 text",
                 "send JSON encoded as UTF-8 with Content-Type: application/json")
-        if body and json_too_deep(body, self.settings.max_json_depth):
+        if json_too_deep(body, self.settings.max_json_depth):
             raise SwarmValidationError(
                 400, f"JSON nested deeper than {self.settings.max_json_depth} levels",
                 "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
-        bad = unencodable_field(body) if body else None
+        bad = unencodable_field(body)
         if bad is not None:
             parts, why = bad
             field = _path(parts)
@@ -471,6 +473,14 @@ class LimitsMiddleware:
             return message
 
         return wrapped
+
+
+def _raw_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header `name` (lower case), as `Headers.get` finds it."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")  # type: ignore[no-any-return]
+    return None
 
 
 def request_headers(scope: Scope) -> Headers:
