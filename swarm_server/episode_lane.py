@@ -9,15 +9,17 @@ built from the same rows:
 - `plane_router(rows)`: the documented FastAPI endpoints (`/docs`, `/openapi.json`), one
   per row, each declaring the row's requirement and body bound as dependencies and
   calling the row's handler;
-- `EpisodeLane(app, rows=..., router=...)`: an ASGI middleware that serves the rows with
-  no path parameter straight from a `(method, path)` dict.
+- `EpisodeLane(app, rows=..., router=..., gate=...)`: serves the rows with no path
+  parameter straight from a `(method, path)` dict.
 
 Every rollout worker calls begin, chat and end once per episode, and many laptops send
 rollouts to one server, so the server's CPU per call bounds the cluster. FastAPI's share
 of one such call was about 0.6 ms on a shared 2-core machine: its router matched the
 path against every route of the app in turn (some 90), then solved the route's
-dependencies, parsed and validated the body, and validated and serialised the answer.
-The lane does the same work directly:
+dependencies, parsed and validated the body, and validated and serialised the answer;
+the middleware stack around it (FastAPI's telemetry check, Starlette's error, telemetry
+and body-limit layers) cost a tenth of the call again. The lane does the same work
+directly:
 
 - it puts the row's `APIRoute` (from `plane_router`) in `scope["route"]` as FastAPI's
   router would, so `swarm_server.limits` checks the row's requirement and body bound
@@ -29,9 +31,13 @@ The lane does the same work directly:
   OpenAI-shaped under `/v1/`, Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
-which serves the same rows through the endpoints `plane_router` made. The lane sits
-directly inside `LimitsMiddleware`, so the first gate (a credential before routing, the
-episode key of `/v1/*`) has run for every request it sees.
+which serves the same rows through the endpoints `plane_router` made. `create_app` puts
+the lane in front of the whole app (`main.SwarmApp`) with `gate`, the limits gate: the
+lane passes each of its requests through that gate's first gate (header size, a
+credential, the episode key of `/v1/*`) and its second (the body), and answers an
+unexpected error with the app's 500 handler as Starlette's outermost layer would.
+Without `gate` it is an ordinary middleware to add inside `LimitsMiddleware`, which has
+then run the first gate for every request it sees.
 
 To add a route: one more row in the table, and the engine's route at the same path
 (`ajet.protocol.PlanePath`).

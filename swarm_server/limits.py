@@ -1,6 +1,8 @@
 """`LimitsMiddleware`: what every request must pass before a route sees its body.
 
-A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
+A pure ASGI middleware, outermost but for Starlette's error handler; the episode lane,
+which serves the episode plane's hot rows in front of the whole stack, passes its
+requests through the same two gates (`first_gate`, `gated`). Two gates:
 
 **At the headers, before routing:**
 
