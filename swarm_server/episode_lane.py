@@ -246,7 +246,6 @@ class EpisodeLane:
             await response(scope, receive, send)
 
 
-
 async def _respond(lane: _Lane, ctx: ServerContext, scope: Scope, receive: Receive) -> Response:
     """The answer to a request for the lane's row (an error rendered, never raised)."""
     api_route = lane.api_route

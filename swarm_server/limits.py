@@ -299,6 +299,8 @@ class LimitsMiddleware:
     def _header_refusal(self, scope: Scope) -> _Refusal | None:
         limit = self.settings.max_header_bytes
         headers = scope["headers"]
+        if not isinstance(headers, list):  # any iterable, says ASGI (as `Headers` does)
+            headers = scope["headers"] = list(headers)
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
         # every name and value, plus ": " and CRLF each (one C-level join, no generator)
         size += len(b"".join(chain.from_iterable(headers))) + 4 * len(headers)
