@@ -12,14 +12,18 @@ code as `bench_episodes` with a chat-sized JSON body:
 - `proxy`: the same app, but it forwards the body over the server's `EngineChannel` to a
   second such `fixed` server on a Unix socket and relays its answer (the CPU is the
   proxy's only): the least a proxying server can spend;
-- `fastapi`: one FastAPI route (`Request` in, `Response` out), for scale.
+- `fastapi`: one FastAPI route (`Request` in, `Response` out), for scale;
+- the `proxy` once more, its stand-in waiting 15 ms before it answers (a chat's time in
+  ajet-tiny): the same work, but the proxy's thread sleeps between request and reply.
+  On a small virtual machine that wake-up is charged to the thread's CPU time too.
 
 `--engine` measures the `proxy` once more in front of a real engine (ajet-tiny, started
 by a swarm server as `bench_episodes` does) with the bench's own workload and CPU phase
 (begin, chat, end, kind by kind, the idle CPU subtracted; the chat sends the episode id
 as `X-Episode-UUID`, as the gateway does): the floor of `bench_episodes`' CPU row under
 the same conditions. A chat there costs more than a begin even with no gates at all: the
-engine's generation between request and reply leaves the server's caches cold.
+server waits for the engine's generation between request and reply, and is charged for
+waking up (the last row of the stand-in shows the same without an engine).
 
 The swarm server's own figure (`python -m bench --only episodes`) does the proxy's work
 plus the gates (credential, episode key, body bound), JSON validation and the gateway's
@@ -47,6 +51,9 @@ from bench.bench_episodes import _Samples
 
 __all__ = ["main"]
 
+#: The stand-in's wait in the last row (ms): about a chat of the bench's workload.
+_WAIT_MS = 15
+
 _ANSWER = (b'{"id":"chatcmpl-0","object":"chat.completion","model":"ajet-tiny","choices":'
            b'[{"index":0,"message":{"role":"assistant","content":"42"},"finish_reason":'
            b'"stop"}],"usage":{"prompt_tokens":20,"completion_tokens":2,"total_tokens":22}}')
@@ -65,10 +72,16 @@ async def _read_body(receive: Any) -> bytes:
             return b"".join(chunks)
 
 
+#: How long the `fixed` stand-in waits before it answers (`--serve fixed --delay-ms`).
+_DELAY_S = 0.0
+
+
 async def _fixed(scope: dict[str, Any], receive: Any, send: Any) -> None:
     if scope["type"] != "http":
         return
     await _read_body(receive)
+    if _DELAY_S:
+        await asyncio.sleep(_DELAY_S)
     await send({"type": "http.response.start", "status": 200, "headers": _HEAD})
     await send({"type": "http.response.body", "body": _ANSWER})
 
@@ -116,8 +129,9 @@ def _serve(kind: str, port: int, uds: str | None, upstream: str | None) -> None:
 
 
 def _start(kind: str, *, port: int = 0, uds: str | None = None,
-           upstream: str | None = None) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "bench.proxy_floor", "--serve", kind, "--port", str(port)]
+           upstream: str | None = None, delay_ms: float = 0.0) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "bench.proxy_floor", "--serve", kind, "--port", str(port),
+            "--delay-ms", str(delay_ms)]
     if uds:
         argv += ["--uds", uds]
     if upstream:
@@ -185,8 +199,11 @@ def _against_engine(calls: int) -> dict[str, float]:
                                 await asyncio.sleep(0.05)
                         for _ in range(5):
                             await way.cycle(_Samples())
-                        cpu = await _server_cpu(way, psutil.Process(proxy.pid), rounds=1,
-                                                per_round=calls, idle_s=3.0)
+                        # the bench's own phase: 100 of each kind per round (the engine
+                        # has 128 slots), rounds enough for the process clock's 10 ms ticks
+                        cpu = await _server_cpu(way, psutil.Process(proxy.pid),
+                                                rounds=max(1, calls // 100), per_round=100,
+                                                idle_s=3.0)
                         return {**cpu.per_call, "mean": cpu.mean}
 
                 return asyncio.run(measure())
@@ -213,32 +230,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--uds", help=argparse.SUPPRESS)
     p.add_argument("--upstream", help=argparse.SUPPRESS)
+    p.add_argument("--delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve:
+        global _DELAY_S
+        _DELAY_S = args.delay_ms / 1000
         _serve(args.serve, args.port, args.uds, args.upstream)
         return 0
     results: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="ajf-") as tmp:
-        upstream = os.path.join(tmp, "engine.sock")
-        engine = _start("fixed", uds=upstream)
-        try:
-            for kind in ("fixed", "proxy", "fastapi"):
-                port = _free_port()
-                server = _start(kind, port=port, upstream=upstream)
-                try:
-                    results[kind] = asyncio.run(_measure(f"http://127.0.0.1:{port}",
-                                                         psutil.Process(server.pid), args.calls))
-                finally:
-                    server.terminate()
-                    server.wait(timeout=30)
-        finally:
-            engine.terminate()
-            engine.wait(timeout=30)
-    for kind, seconds in results.items():
-        sys.stdout.write(f"{kind:8s} {seconds * 1000:.3f} ms server CPU per call "
-                         f"({args.calls} calls, one at a time)\n")
+        for name, kind, delay_ms in (("fixed", "fixed", 0), ("proxy", "proxy", 0),
+                                     ("fastapi", "fastapi", 0),
+                                     (f"proxy, the stand-in waits {_WAIT_MS} ms", "proxy",
+                                      _WAIT_MS)):
+            upstream = os.path.join(tmp, f"engine-{delay_ms}.sock")
+            engine = _start("fixed", uds=upstream, delay_ms=delay_ms)
+            port = _free_port()
+            server = _start(kind, port=port, upstream=upstream)
+            try:
+                calls = args.calls if not delay_ms else min(args.calls, 300)
+                results[name] = asyncio.run(_measure(f"http://127.0.0.1:{port}",
+                                                     psutil.Process(server.pid), calls))
+            finally:
+                for proc in (server, engine):
+                    proc.terminate()
+                    proc.wait(timeout=30)
+    for name, seconds in results.items():
+        sys.stdout.write(f"{name}: {seconds * 1000:.3f} ms server CPU per call "
+                         f"(one call at a time)\n")
     if args.engine:
-        per_kind = _against_engine(min(args.calls, 100))
+        per_kind = _against_engine(min(args.calls, 500))
         sys.stdout.write("proxy in front of a real engine (ajet-tiny), ms server CPU per "
                          "call: " + ", ".join(f"{k} {v * 1000:.3f}" for k, v in
                                               per_kind.items()) + "\n")
