@@ -177,8 +177,8 @@ def test_no_engine_a_stalled_one_and_a_cut_reply_are_channel_errors(tmp_path: Pa
 
 
 def test_the_engines_channel_server_writes_each_reply_in_one_piece(tmp_path: Path) -> None:
-    # uvicorn writes a head and a body apart; the engine's thread may wait milliseconds
-    # for the GIL in between, and the server would wake twice per chat
+    # uvicorn writes a head and a body apart; the engine's thread may wait for the GIL in
+    # between, and the server would wake twice for one reply
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return

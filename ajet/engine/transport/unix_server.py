@@ -67,9 +67,9 @@ class _CoalescedWrites:
 
     uvicorn writes a response's head when the app starts it and its body when it is sent:
     two `send`s, between which this thread gives the GIL up and must win it back from
-    the generator's thread, often milliseconds later. The peer (the swarm server) then
-    gets the head and the body apart, and wakes twice for every chat. Everything but
-    `write` is the wrapped transport's; `close` sends what is pending first.
+    the generator's thread. The peer (the swarm server) got about every other chat reply
+    in two reads, and woke twice for it. Everything but `write` is the wrapped
+    transport's; `close` sends what is pending first.
     """
 
     __slots__ = ("_loop", "_pending", "_transport", "is_closing", "pause_reading",
