@@ -82,6 +82,8 @@ class LocalServer:
     env: dict[str, str] = field(default_factory=dict)
     start_timeout_s: float = 60.0
     port: int = 0
+    #: the module run as `python -m MODULE start ...` (a profiling wrapper, for one)
+    module: str = "swarm_server"
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -106,7 +108,7 @@ class LocalServer:
                          "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN, **self.env})
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={self.port}",
+                [sys.executable, "-m", self.module, "start", f"--swarm-port={self.port}",
                  "--host", "127.0.0.1", "--workdir", str(self.workdir),
                  "--log-level", "warning"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,

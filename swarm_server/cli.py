@@ -185,7 +185,9 @@ def _start(args: argparse.Namespace) -> int:
                     timeout_graceful_shutdown=30, loop="auto",
                     http=with_header_timeout(settings.header_timeout_s,
                                              max_header_bytes=settings.max_header_bytes,
-                                             parser=settings.http_parser),
+                                             parser=settings.http_parser,
+                                             quiet_paths=app.lane.paths if app.lane else
+                                             frozenset()),
                     h11_max_incomplete_event_size=settings.max_header_bytes)
     finally:
         if _pid_of(pid_file) == (os.getpid(), _start_time(os.getpid())):

@@ -329,6 +329,24 @@ class EngineController:
                 return self._run.socket_path
             return None
 
+    def serving_socket_of(self, run_id: str) -> Path | None:
+        """`engine_socket()` if `run_id` is the serving run, else None (one lock: the
+        episode plane asks on every call)."""
+        with self._lock:
+            run = self._run
+            if run is not None and run.run_id == run_id and self._state in SERVING_STATES:
+                return run.socket_path
+            return None
+
+    def step_of(self, run_id: str) -> int | None:
+        """`current_step()` if `run_id` is the serving run, else None (one lock)."""
+        with self._lock:
+            run = self._run
+            if (run is not None and run.run_id == run_id and self._state in SERVING_STATES
+                    and run.report):
+                return run.report.step
+            return None
+
     def current_run_id(self) -> str | None:
         """The serving engine's run id, else None."""
         with self._lock:

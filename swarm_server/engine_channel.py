@@ -307,13 +307,14 @@ class EngineChannel:
 
         `body` is sent as it is, with `content-type: application/json`.
         """
-        head = [f"{method} {path} HTTP/1.1\r\nhost: engine\r\n{self._auth}"]
-        head += [f"{name}: {value}\r\n" for name, value in headers]
+        head = f"{method} {path} HTTP/1.1\r\nhost: engine\r\n{self._auth}"
+        for name, value in headers:
+            head += f"{name}: {value}\r\n"
         if body is not None:
-            head.append(f"content-type: application/json\r\ncontent-length: {len(body)}\r\n")
-        head.append("\r\n")
-        conn = await self._acquire()
-        return await conn.send("".join(head).encode("latin-1"), body)
+            head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        # a kept-alive connection without a coroutine of its own: the usual case
+        conn = self._reusable() or await self._acquire()
+        return await conn.send((head + "\r\n").encode("latin-1"), body)
 
     async def request(self, method: str, path: str, body: bytes | None = None, *,
                       headers: Sequence[tuple[str, str]] = ()) -> tuple[Reply, bytes]:
@@ -337,17 +338,27 @@ class EngineChannel:
 
     # ------------------------------------------------------------------ pool
 
+    def _reusable(self) -> _Connection | None:
+        """The most recently used idle connection still fit to reuse, else None (the
+        stale ones on the way are closed)."""
+        if self._closed:
+            return None  # `_acquire` says so
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and conn.loop.time() - conn.idle_since < self.idle_s:
+                return conn
+            conn.abort()
+        return None
+
     async def _acquire(self) -> _Connection:
         loop = asyncio.get_running_loop()
         while True:
             if self._closed:
                 raise ChannelError("closed", "the channel to this engine run is closed")
-            now = loop.time()
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.closed and now - conn.idle_since < self.idle_s:
-                    return conn
-                conn.abort()
+            conn = self._reusable()
+            if conn is not None:
+                return conn
             if self._open < self.max_connections:
                 break
             waiter = loop.create_future()

@@ -9,15 +9,17 @@ built from the same rows:
 - `plane_router(rows)`: the documented FastAPI endpoints (`/docs`, `/openapi.json`), one
   per row, each declaring the row's requirement and body bound as dependencies and
   calling the row's handler;
-- `EpisodeLane(app, rows=..., router=...)`: an ASGI middleware that serves the rows with
-  no path parameter straight from a `(method, path)` dict.
+- `EpisodeLane(app, rows=..., router=..., gate=...)`: serves the rows with no path
+  parameter straight from a `(method, path)` dict.
 
 Every rollout worker calls begin, chat and end once per episode, and many laptops send
 rollouts to one server, so the server's CPU per call bounds the cluster. FastAPI's share
 of one such call was about 0.6 ms on a shared 2-core machine: its router matched the
 path against every route of the app in turn (some 90), then solved the route's
-dependencies, parsed and validated the body, and validated and serialised the answer.
-The lane does the same work directly:
+dependencies, parsed and validated the body, and validated and serialised the answer;
+the middleware stack around it (FastAPI's telemetry check, Starlette's error, telemetry
+and body-limit layers) cost a tenth of the call again. The lane does the same work
+directly:
 
 - it puts the row's `APIRoute` (from `plane_router`) in `scope["route"]` as FastAPI's
   router would, so `swarm_server.limits` checks the row's requirement and body bound
@@ -29,9 +31,13 @@ The lane does the same work directly:
   OpenAI-shaped under `/v1/`, Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
-which serves the same rows through the endpoints `plane_router` made. The lane sits
-directly inside `LimitsMiddleware`, so the first gate (a credential before routing, the
-episode key of `/v1/*`) has run for every request it sees.
+which serves the same rows through the endpoints `plane_router` made. `create_app` puts
+the lane in front of the whole app (`main.SwarmApp`) with `gate`, the limits gate: the
+lane passes each of its requests through that gate's first gate (header size, a
+credential, the episode key of `/v1/*`) and its second (the body), and answers an
+unexpected error with the app's 500 handler as Starlette's outermost layer would.
+Without `gate` it is an ordinary middleware to add inside `LimitsMiddleware`, which has
+then run the first gate for every request it sees.
 
 To add a route: one more row in the table, and the engine's route at the same path
 (`ajet.protocol.PlanePath`).
@@ -51,13 +57,13 @@ from fastapi.routing import APIRoute, APIRouter
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_json
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from swarm_server.auth import Requirement
 from ajet.errors import SwarmHTTPError, error_response
 from swarm_server.errors import EarlyRefusal, is_anthropic_path, validation_error_response
-from swarm_server.limits import EPISODE_PREFIX, BodyLimit
+from swarm_server.limits import EPISODE_PREFIX, BodyLimit, LimitsMiddleware, request_headers
 
 if TYPE_CHECKING:
     from swarm_server.context import ServerContext
@@ -160,15 +166,35 @@ def _endpoint(row: PlaneRoute) -> Callable[..., Awaitable[Any]]:
     return endpoint
 
 
-class EpisodeLane:
-    """ASGI middleware; see the module docstring."""
+@dataclass(frozen=True)
+class _Lane:
+    """A row as the lane serves it: its FastAPI route (for the limits gate), its body's
+    validator, and the shape of its errors (the row's properties, computed once)."""
 
-    def __init__(self, app: ASGIApp, *, rows: Sequence[PlaneRoute], router: APIRouter) -> None:
+    row: PlaneRoute
+    api_route: APIRoute
+    model: TypeAdapter[Any] | None
+    openai: bool
+    anthropic: bool
+
+
+class EpisodeLane:
+    """ASGI middleware; see the module docstring.
+
+    Without `gate`, it sits inside `LimitsMiddleware`, which has checked the request's
+    headers and gates its body. With `gate` (the app's front, `main.SwarmApp`), it runs
+    in front of the whole middleware stack and passes each of its requests through that
+    gate itself, and answers an unexpected error as the stack's outermost error handler
+    does (the app's 500 handler, then the error raised on to the server).
+    """
+
+    def __init__(self, app: ASGIApp, *, rows: Sequence[PlaneRoute], router: APIRouter,
+                 gate: LimitsMiddleware | None = None) -> None:
         self.app = app
+        self.gate = gate
         declared = {(route.path, method): route for route in router.routes
                     if isinstance(route, APIRoute) for method in route.methods}
-        self._table: dict[tuple[str, str], tuple[PlaneRoute, APIRoute, TypeAdapter[Any] | None]]
-        self._table = {}
+        self._table: dict[tuple[str, str], _Lane] = {}
         for row in rows:
             if not row.on_lane:
                 continue
@@ -178,36 +204,83 @@ class EpisodeLane:
                                    "router from the same rows (plane_router)")
             model = TypeAdapter(row.model if row.required else row.model | None) \
                 if row.model is not None else None
-            self._table[(row.method, row.path)] = (row, api_route, model)
+            self._table[(row.method, row.path)] = _Lane(row, api_route, model, row.openai,
+                                                        row.anthropic)
+
+    @property
+    def paths(self) -> frozenset[str]:
+        """The paths the lane serves (for any method)."""
+        return frozenset(path for _, path in self._table)
+
+    def lookup(self, scope: Scope) -> _Lane | None:
+        """The lane's row for this request, or None: the app serves it."""
+        if scope["type"] == "http" and not scope.get("root_path"):
+            return self._table.get((scope["method"], scope["path"]))
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not scope.get("root_path"):
-            hit = self._table.get((scope["method"], scope["path"]))
-            if hit is not None:
-                await self._serve(*hit, scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+        hit = self.lookup(scope)
+        if hit is None:
+            await self.app(scope, receive, send)
+        else:
+            await self.serve(hit, scope, receive, send)
 
-    async def _serve(self, row: PlaneRoute, api_route: APIRoute, model: TypeAdapter[Any] | None,
-                     scope: Scope, receive: Receive, send: Send) -> None:
-        # what FastAPI's router sets for a matched route (the limits gate reads "route")
-        scope["route"], scope["endpoint"], scope["path_params"] = api_route, api_route.endpoint, {}
-        request = Request(scope, receive)
+    async def serve(self, hit: _Lane, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer a request `lookup` found a row for."""
+        gate = self.gate
+        if gate is None:  # inside the limits gate and the stack's error handler
+            response = await _respond(hit, scope["app"].state.ctx, scope, receive)
+            await response(scope, receive, send)
+            return
         try:
-            # read first, whatever the handler does: the first `receive` is where the
-            # limits gate checks the row's requirement and body bound (handlers get the
-            # body as an argument, never from `request`)
-            raw = await _body(receive)
-            body = _parsed_body(model, row.required, request, raw) if model is not None else raw
-            result = await serve_row(row, scope["app"].state.ctx, request, body)
-            response = _as_response(result)
-        except _Invalid as exc:
-            response = validation_error_response(exc.errors)
-        except EarlyRefusal as exc:  # the limits gate refused the body
-            response = error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
-        except SwarmHTTPError as exc:
-            response = error_response(exc, openai=row.openai, anthropic=row.anthropic)
-        await response(scope, receive, send)
+            refusal = gate.first_gate(scope)
+            if refusal is None:
+                response = await _respond(hit, gate.ctx, scope, gate.gated(scope, receive))
+        except Exception as exc:
+            await _server_error(scope, receive, send, exc)
+            raise
+        # a failure while answering is raised on as it is: part of an answer may be out
+        if refusal is not None:
+            await refusal.send(scope, receive, send)
+        else:
+            await response(scope, receive, send)
+
+
+async def _respond(lane: _Lane, ctx: ServerContext, scope: Scope, receive: Receive) -> Response:
+    """The answer to a request for the lane's row (an error rendered, never raised)."""
+    api_route = lane.api_route
+    # what FastAPI's router sets for a matched route (the limits gate reads "route")
+    scope["route"], scope["endpoint"], scope["path_params"] = api_route, api_route.endpoint, {}
+    request = Request(scope, receive)
+    try:
+        # read first, whatever the handler does: the first `receive` is where the limits
+        # gate checks the row's requirement and body bound (handlers get the body as an
+        # argument, never from `request`)
+        raw = await _body(receive)
+        model = lane.model
+        body = _parsed_body(model, lane.row.required, scope, raw) if model is not None else raw
+        # `serve_row`, with the shapes of the row's errors computed once
+        return _as_response(await lane.row.handler(ctx, request, body))
+    except _Invalid as exc:
+        return validation_error_response(exc.errors)
+    except EarlyRefusal as exc:  # the limits gate refused the body
+        return error_response(exc.error, openai=exc.openai, anthropic=exc.anthropic)
+    except SwarmHTTPError as exc:
+        return error_response(exc, openai=lane.openai, anthropic=lane.anthropic)
+
+
+async def _server_error(scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+    """The 500 of the app's handler for unexpected errors, as Starlette's
+    `ServerErrorMiddleware` renders it (the caller raises the error on)."""
+    handlers = scope["app"].exception_handlers
+    handler = handlers.get(Exception) or handlers.get(500)
+    if handler is None:
+        response: Any = PlainTextResponse("Internal Server Error", status_code=500)
+    else:
+        response = handler(Request(scope), exc)
+        if inspect.isawaitable(response):
+            response = await response
+    await response(scope, receive, send)
 
 
 async def _body(receive: Receive) -> bytes:
@@ -228,11 +301,11 @@ class _Invalid(Exception):
         self.errors = errors
 
 
-def _parsed_body(model: TypeAdapter[Any], required: bool, request: Request, raw: bytes) -> Any:
+def _parsed_body(model: TypeAdapter[Any], required: bool, scope: Scope, raw: bytes) -> Any:
     """The body as FastAPI parses a single body parameter (strict content type)."""
     value: Any = _MISSING
     if raw:
-        if _is_json(request.headers.get("content-type")):
+        if _is_json(request_headers(scope).get("content-type")):
             try:
                 value = json.loads(raw)
             except json.JSONDecodeError as exc:

@@ -342,7 +342,7 @@ class EpisodeGateway:
                 else f"GET /runs/{wanted}/status says why; start a run with POST /runs",
                 retry_after_s=1)
         held = self._channels.get(run_id)
-        if held is not None and held[0] == socket_path:
+        if held is not None and (held[0] is socket_path or held[0] == socket_path):
             return run_id, held[1]
         channel = EngineChannel(self._channel_target(socket_path),
                                 timeout_s=self.settings.engine_request_timeout_s)

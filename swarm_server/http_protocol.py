@@ -67,12 +67,17 @@ class _CoalescedWrites:
     app's head and body messages are sent without yielding in between), never a timer.
     """
 
-    __slots__ = ("_loop", "_pending", "_transport")
+    __slots__ = ("_loop", "_pending", "_transport", "is_closing", "pause_reading",
+                 "resume_reading")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
         self._pending: list[bytes] = []
+        # called on every request: bound here rather than found by `__getattr__` each time
+        self.is_closing = transport.is_closing
+        self.pause_reading = transport.pause_reading
+        self.resume_reading = transport.resume_reading
 
     def write(self, data: bytes) -> None:
         if not self._pending:
@@ -203,6 +208,8 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
     _in_head = False
     _head_bytes = 0
     _head_too_large = False
+    #: paths whose requests are not written to uvicorn's access log (`with_header_timeout`)
+    quiet_paths: ClassVar[frozenset[str]] = frozenset()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -217,9 +224,11 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
             if self._head_bytes > self.max_header_bytes:
                 self._refuse_large_head()
                 return
+            self._arm()  # `_follow`, for the case at hand
         else:
             self._head_bytes = 0
-        self._follow()
+            if self._header_timer is not None:
+                self._disarm()  # headers complete (or closing): the body and route take over
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -232,6 +241,10 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
+        cycle = self.cycle
+        if (self.quiet_paths and cycle is not None and cycle.scope is self.scope
+                and self.scope.get("path") in self.quiet_paths):
+            cycle.access_log = False
 
     def send_400_response(self, msg: str) -> None:
         if self._head_too_large:
@@ -256,13 +269,20 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
 
 
 def with_header_timeout(timeout_s: float, *, max_header_bytes: int = 64 * 1024,
-                        parser: str = "auto") -> type[asyncio.Protocol]:
+                        parser: str = "auto", quiet_paths: frozenset[str] = frozenset()
+                        ) -> type[asyncio.Protocol]:
     """The protocol class to pass to `uvicorn.run(http=...)`: httptools when installed
-    (`parser="auto"`), else h11; `parser="h11"` or `"httptools"` to choose."""
+    (`parser="auto"`), else h11; `parser="h11"` or `"httptools"` to choose.
+
+    With httptools, requests to `quiet_paths` (the episode plane's per-call routes) are
+    not written to uvicorn's access log: a line per call of every rollout worker floods
+    it, and writing it is a measurable part of the call's CPU (its arguments are
+    formatted even when the log level drops it)."""
     if parser == "httptools" and not httptools_available():
         raise RuntimeError("AJET_SWARM_HTTP_PARSER=httptools, but httptools is not installed")
     use_httptools = parser == "httptools" or (parser == "auto" and httptools_available())
     base: type[_HeaderDeadline] = (HttpToolsHeaderTimeoutProtocol if use_httptools
                                    else HeaderTimeoutProtocol)
     return type(base.__name__, (base,), {"header_timeout_s": timeout_s,
-                                         "max_header_bytes": max_header_bytes})
+                                         "max_header_bytes": max_header_bytes,
+                                         "quiet_paths": frozenset(quiet_paths)})

@@ -1,6 +1,8 @@
 """`LimitsMiddleware`: what every request must pass before a route sees its body.
 
-A pure ASGI middleware, outermost but for Starlette's error handler. Two gates:
+A pure ASGI middleware, outermost but for Starlette's error handler; the episode lane,
+which serves the episode plane's hot rows in front of the whole stack, passes its
+requests through the same two gates (`first_gate`, `gated`). Two gates:
 
 **At the headers, before routing:**
 
@@ -63,6 +65,7 @@ import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 from starlette.datastructures import Headers
@@ -86,7 +89,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ANONYMOUS_BODY_BYTES", "CONSOLE_PREFIX", "EPISODE_PREFIX", "LIMIT_RESPONSES",
            "OPEN_PATHS", "STREAMED_BODY", "AnonymousGate", "BodyLimit", "LimitsMiddleware",
-           "json_too_deep", "unencodable_field"]
+           "json_too_deep", "request_headers", "unencodable_field"]
 
 #: Paths that need no credential at all.
 OPEN_PATHS = frozenset({"/health"})
@@ -115,13 +118,14 @@ _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _INNERMOST = re.compile(rb"[\[{][^\[\]{}]*[\]}]")
 _OPENERS = re.compile(rb"[\[{]")
 _FAIL_CLOSED = ControlRequirement()
+#: Where `request_headers` keeps the request's `Headers` in the scope.
+_HEADERS_SCOPE = "ajet.headers"
 #: `asyncio.timeout` (Python 3.11+)
 _HAS_TIMEOUT = sys.version_info >= (3, 11)
 
 
 #: A `\\u` escape of a surrogate (D800-DFFF): only these can make a lone surrogate.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_NON_JSON_NUMBERS = (b"NaN", b"Infinity")
 
 
 class _Constant:
@@ -139,7 +143,7 @@ def unencodable_field(body: bytes) -> tuple[list[str], str] | None:
     The full parse runs only when the bytes could hold one (a surrogate escape, the
     words NaN or Infinity), so ordinary bodies cost one scan.
     """
-    if not _SURROGATE_ESCAPE.search(body) and not any(w in body for w in _NON_JSON_NUMBERS):
+    if not _SURROGATE_ESCAPE.search(body) and b"NaN" not in body and b"Infinity" not in body:
         return None
     try:
         value = json.loads(body, parse_constant=_Constant)
@@ -280,18 +284,26 @@ class LimitsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._header_refusal(scope) or self._credential_refusal(scope)
+        refusal = self.first_gate(scope)
         if refusal is not None:
             await refusal.send(scope, receive, send)
             return
-        await self.app(scope, self._gated(scope, receive), send)
+        await self.app(scope, self.gated(scope, receive), send)
 
     # ------------------------------------------------------------------ first gate
 
+    def first_gate(self, scope: Scope) -> _Refusal | None:
+        """The refusal of an HTTP request at its headers (size, credential), else None."""
+        return self._header_refusal(scope) or self._credential_refusal(scope)
+
     def _header_refusal(self, scope: Scope) -> _Refusal | None:
         limit = self.settings.max_header_bytes
+        headers = scope["headers"]
+        if not isinstance(headers, list):  # any iterable, says ASGI (as `Headers` does)
+            headers = scope["headers"] = list(headers)
         size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
-        size += sum(len(k) + len(v) + 4 for k, v in scope["headers"])  # ": " and CRLF
+        # every name and value, plus ": " and CRLF each (one C-level join, no generator)
+        size += len(b"".join(chain.from_iterable(headers))) + 4 * len(headers)
         if size <= limit:
             return None
         return _Refusal(SwarmHTTPError(431,
@@ -303,7 +315,7 @@ class LimitsMiddleware:
         path: str = scope["path"]
         if path in OPEN_PATHS or _is_console(path):
             return None
-        headers = Headers(scope=scope)
+        headers = request_headers(scope)
         try:
             if path.startswith(EPISODE_PREFIX):
                 # verified once: the route's EpisodeKeyRequirement reads it from the scope
@@ -318,7 +330,7 @@ class LimitsMiddleware:
 
     # ------------------------------------------------------------------ second gate
 
-    def _gated(self, scope: Scope, receive: Receive) -> Receive:
+    def gated(self, scope: Scope, receive: Receive) -> Receive:
         """`receive` whose first call checks the route's rules and buffers the body."""
         state: dict[str, Any] = {"first": True, "replay": None, "stream": None}
 
@@ -387,7 +399,7 @@ class LimitsMiddleware:
             if _is_console(path) or path in OPEN_PATHS:
                 return True  # sign-in is open: its body is read as an anonymous one
             requirements = (_FAIL_CLOSED,)
-        headers = Headers(scope=scope)
+        headers = request_headers(scope)
         for requirement in requirements:
             requirement.check_request(scope, scope["app"].state, headers)
         return False
@@ -398,7 +410,7 @@ class LimitsMiddleware:
         limit = rule.bound(self.ctx) if rule.bound is not None else self.settings.max_json_bytes
         if anonymous:
             limit = min(limit, ANONYMOUS_BODY_BYTES)
-        declared = Headers(scope=scope).get("content-length")
+        declared = _raw_header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _too_large(int(declared), limit, rule.knob)
         chunks: list[bytes] = []
@@ -416,15 +428,17 @@ class LimitsMiddleware:
                 return b"".join(chunks)
 
     def _check_json(self, body: bytes) -> None:
-        if body and not _is_utf8(body):
+        if not body:
+            return
+        if not _is_utf8(body):
             raise SwarmValidationError(
                 400, "request body is not UTF-8 text",
                 "send JSON encoded as UTF-8 with Content-Type: application/json")
-        if body and json_too_deep(body, self.settings.max_json_depth):
+        if json_too_deep(body, self.settings.max_json_depth):
             raise SwarmValidationError(
                 400, f"JSON nested deeper than {self.settings.max_json_depth} levels",
                 "flatten the body, or raise AJET_SWARM_MAX_JSON_DEPTH on the server")
-        bad = unencodable_field(body) if body else None
+        bad = unencodable_field(body)
         if bad is not None:
             parts, why = bad
             field = _path(parts)
@@ -463,6 +477,23 @@ class LimitsMiddleware:
             return message
 
         return wrapped
+
+
+def _raw_header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header `name` (lower case), as `Headers.get` finds it."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")  # type: ignore[no-any-return]
+    return None
+
+
+def request_headers(scope: Scope) -> Headers:
+    """The request's headers, built once per request: the gates and the lane read several
+    (each `Headers(scope=...)` copies the header list into the scope again)."""
+    headers: Headers | None = scope.get(_HEADERS_SCOPE)
+    if headers is None:
+        headers = scope[_HEADERS_SCOPE] = Headers(scope=scope)
+    return headers
 
 
 def _collect(dependant: Any, requirements: list[Requirement], bodies: list[BodyLimit],

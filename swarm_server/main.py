@@ -8,6 +8,7 @@ and mounts one router per resource.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 import ajet
 from swarm_server.approvals import Approvals
@@ -41,7 +43,7 @@ from swarm_server.workdir import prepare_workdir
 if TYPE_CHECKING:
     from swarm_server.launchers.ray_launcher import RaySpawner
 
-__all__ = ["build_context", "create_app"]
+__all__ = ["SwarmApp", "build_context", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +133,7 @@ def _has_runs(runs_dir: Path) -> bool:
         return False
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> SwarmApp:
     ctx = build_context(settings)
 
     @asynccontextmanager
@@ -149,7 +151,7 @@ def create_app(settings: Settings) -> FastAPI:
             ctx.runs.shutdown()
             ctx.ledger.close()
 
-    app = FastAPI(
+    app = SwarmApp(
         title="AgentJet Swarm server",
         version=_version(),
         lifespan=lifespan,
@@ -172,12 +174,54 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(console_router)
     app.include_router(original.router)
     app.include_router(docs.router)
-    # The hot episode routes without FastAPI's routing (swarm_server.episode_lane), inside
-    # the limits gate: it sees only requests that passed the first gate.
-    app.add_middleware(EpisodeLane, rows=episodes.EPISODE_ROUTES, router=episodes.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, ctx=ctx)
+    # The hot episode routes without FastAPI's routing or middleware stack
+    # (swarm_server.episode_lane), through the same limits gate.
+    app.lane = EpisodeLane(app.stack, rows=episodes.EPISODE_ROUTES, router=episodes.router,
+                           gate=LimitsMiddleware(app.stack, ctx=ctx))
     return app
+
+
+class SwarmApp(FastAPI):
+    """The server's FastAPI app, with `lane` (`episode_lane.EpisodeLane`) in front of it.
+
+    The lane's rows are the calls every rollout worker makes per episode; in front, they
+    skip what the middleware stack spends on each request (FastAPI's telemetry check,
+    Starlette's error, telemetry and body-limit layers: a tenth of their CPU per call),
+    and the lane does what those do for them (the limits gate, the 500 handler). While
+    FastAPI's OpenTelemetry instrumentation is on, every request takes the stack, so that
+    it is traced.
+    """
+
+    lane: EpisodeLane | None = None
+    _traced = False
+    _traced_checked_at = -1.0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        lane = self.lane
+        if lane is not None:
+            hit = lane.lookup(scope)
+            if hit is not None and not self.root_path and not self._telemetry_on():
+                scope["app"] = self  # as Starlette sets it
+                await lane.serve(hit, scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+    async def stack(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app without the lane in front (what the lane passes on)."""
+        await FastAPI.__call__(self, scope, receive, send)
+
+    def _telemetry_on(self) -> bool:
+        """FastAPI's native telemetry (newer FastAPI) is configured; asked once a second,
+        not per request (the question reads the environment and OpenTelemetry's globals)."""
+        telemetry = getattr(self, "_native_telemetry", None)
+        if telemetry is None:
+            return False
+        now = time.monotonic()
+        if now - self._traced_checked_at >= 1.0:
+            self._traced, self._traced_checked_at = bool(telemetry.enabled()), now
+        return self._traced
 
 
 def _version() -> str:

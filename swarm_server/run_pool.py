@@ -342,15 +342,11 @@ class RunPool:
     def serving_socket(self, run_id: str) -> Path | None:
         """The serving engine's socket of `run_id`, else None (hot path: one lookup)."""
         lane = self._lanes.get(run_id)  # dict reads are atomic; no lock on the hot path
-        controller = lane if lane is not None else self.default
-        if controller.current_run_id() != run_id:
-            return None
-        return controller.engine_socket()
+        return (lane if lane is not None else self.default).serving_socket_of(run_id)
 
     def run_step(self, run_id: str) -> int | None:
         lane = self._lanes.get(run_id)
-        controller = lane if lane is not None else self.default
-        return controller.current_step() if controller.current_run_id() == run_id else None
+        return (lane if lane is not None else self.default).step_of(run_id)
 
     def describe(self, run_id: str | None) -> str:
         """A run's state in words, for an error that it does not serve."""

@@ -82,7 +82,31 @@ _OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
 async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest | None
                  ) -> BeginEpisodeResponse:
     return await ctx.episodes.begin(body or BeginEpisodeRequest(),
-                                    public_base_url=str(request.base_url))
+                                    public_base_url=_base_url(request))
+
+
+#: `str(request.base_url)` by what it is made of: Starlette builds a URL object per call
+_BASE_URLS: dict[tuple[Any, ...], str] = {}
+_MAX_BASE_URLS = 64  # the Host header is the caller's: the cache is bounded
+
+
+def _base_url(request: Request) -> str:
+    scope = request.scope
+    host = None
+    for name, value in scope["headers"]:
+        if name == b"host":
+            host = value
+            break
+    server = scope.get("server")  # a tuple from uvicorn, a list from some servers
+    key = (scope.get("scheme"), tuple(server) if server else server, host,
+           scope.get("app_root_path", scope.get("root_path", "")))
+    url = _BASE_URLS.get(key)
+    if url is None:
+        url = str(request.base_url)
+        if len(_BASE_URLS) >= _MAX_BASE_URLS:
+            _BASE_URLS.clear()
+        _BASE_URLS[key] = url
+    return url
 
 
 async def _end(ctx: ServerContext, _: Request, body: EndEpisodeRequest | OriginalEnd

@@ -274,6 +274,21 @@ def test_the_server_parses_with_httptools_unless_told_h11() -> None:
     assert issubclass(with_header_timeout(2.0, parser="h11"), HeaderTimeoutProtocol)
 
 
+def test_the_episode_planes_calls_are_not_access_logged(srv: Server) -> None:
+    # one line per call of every rollout worker would flood the log; refusals are answered
+    assert httpx.post(f"{srv.url}/begin_episode", json={}, headers=WRK).status_code == 409
+    assert httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": []},
+                      headers={"Authorization": "Bearer ajep_forged"}).status_code == 401
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+    deadline = time.monotonic() + 5
+    while '"GET /health HTTP/1.1" 200' not in srv.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = srv.log()
+    assert '"GET /health HTTP/1.1" 200' in log  # every other path is
+    assert '"POST /begin_episode HTTP/1.1"' not in log
+    assert '"POST /v1/chat/completions HTTP/1.1"' not in log
+
+
 # ---------------------------------------------------------------------------- anonymous
 
 

@@ -1,13 +1,16 @@
 """`EngineChannel` against a real uvicorn on a real Unix socket: connections
 kept alive and reused, bounded in number; a streamed reply arrives chunk by chunk; an
 answer the engine gives before it read the body (413) arrives instead of a broken pipe;
-no socket, a stalled engine and a reply cut short are `ChannelError`s.
+no socket, a stalled engine and a reply cut short are `ChannelError`s. And the engine's
+own channel server (`ChannelServer`) writes each reply in one piece.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -16,6 +19,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from ajet.engine.transport.unix_server import ChannelServer
 from swarm_server.engine_channel import ChannelError, EngineChannel
 
 Engine = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -170,3 +174,29 @@ def test_no_engine_a_stalled_one_and_a_cut_reply_are_channel_errors(tmp_path: Pa
         assert exc.value.reason == "FileNotFoundError"
 
     asyncio.run(missing())
+
+
+def test_the_engines_channel_server_writes_each_reply_in_one_piece(tmp_path: Path) -> None:
+    # uvicorn writes a head and a body apart; the engine's thread may wait for the GIL in
+    # between, and the server would wake twice for one reply
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        time.sleep(0.3)  # the event loop's thread held up between head and body
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    socket_path = tmp_path / "engine.sock"
+    server = ChannelServer(app, socket_path)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(str(socket_path))
+            s.sendall(b"GET /x HTTP/1.1\r\nhost: engine\r\n\r\n")
+            first = s.recv(65536)  # whatever the first write put on the socket
+    finally:
+        server.stop()
+    assert first.startswith(b"HTTP/1.1 200") and first.endswith(b"\r\n\r\nok"), first

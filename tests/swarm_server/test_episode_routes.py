@@ -1,10 +1,11 @@
 """The episode plane's route table: one row is the route, on the lane and in FastAPI alike.
 
 In-process (`TestClient`), no engine: a row added to a table is served by `EpisodeLane`
+(in front of the middleware stack, as `create_app` puts it, or inside the limits gate)
 with its requirement and body bound enforced by the limits gate, served the same by the
-FastAPI endpoint built from it, and documented in the OpenAPI schema; the real table's
-rows are exactly the documented episode routes; and an episode key is verified once per
-`/v1/*` request.
+FastAPI endpoint built from it, a bug in its handler is the app's 500 every way, and it
+is documented in the OpenAPI schema; the real table's rows are exactly the documented
+episode routes; and an episode key is verified once per `/v1/*` request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from swarm_server.episode_lane import EpisodeLane, PlaneRoute, plane_router
 from swarm_server.episodes import _Entry
 from swarm_server.errors import install_error_handlers
 from swarm_server.limits import BodyLimit, LimitsMiddleware
-from swarm_server.main import build_context, create_app
+from swarm_server.main import SwarmApp, build_context, create_app
 from swarm_server.routes.episodes import EPISODE_ROUTES
 from swarm_server.settings import Settings
 
@@ -50,22 +51,37 @@ def _settings(tmp_path: Path) -> Settings:
     return Settings(workdir=tmp_path / "swarm", token=CONTROL, worker_token=WORKER)
 
 
-def _app(ctx: ServerContext, rows: list[PlaneRoute], *, lane: bool) -> FastAPI:
-    """An app assembled like `create_app`, from `rows` alone."""
-    app = FastAPI()
+async def _fail(ctx: ServerContext, request: Request, body: Echo) -> dict[str, Any]:
+    raise RuntimeError("a bug in the handler")
+
+
+FAIL = PlaneRoute("POST", "/fail", _fail, ReaderRequirement(), BodyLimit(bound=lambda _: 64),
+                  model=Echo, name="fail")
+
+
+def _app(ctx: ServerContext, rows: list[PlaneRoute], *, lane: str) -> FastAPI:
+    """An app assembled like `create_app` ("front": the lane in front of the stack), from
+    `rows` alone; or with the lane inside the limits gate, or without a lane."""
+    app = SwarmApp() if lane == "front" else FastAPI()
     app.state.ctx = ctx
     install_error_handlers(app)
     router = plane_router(rows)
     app.include_router(router)
-    if lane:
+    if lane == "inside":
         app.add_middleware(EpisodeLane, rows=rows, router=router)
     app.add_middleware(LimitsMiddleware, ctx=ctx)
+    if isinstance(app, SwarmApp) and lane == "front":
+        app.lane = EpisodeLane(app.stack, rows=rows, router=router,
+                               gate=LimitsMiddleware(app.stack, ctx=ctx))
     return app
 
 
-@pytest.mark.parametrize("lane", [True, False], ids=["lane", "fastapi"])
-def test_a_row_is_served_guarded_and_bounded_the_same_both_ways(tmp_path: Path,
-                                                                 lane: bool) -> None:
+LANES = ["front", "inside", "fastapi"]
+
+
+@pytest.mark.parametrize("lane", LANES)
+def test_a_row_is_served_guarded_and_bounded_the_same_every_way(tmp_path: Path,
+                                                                 lane: str) -> None:
     ctx = build_context(_settings(tmp_path))
     with TestClient(_app(ctx, [ECHO], lane=lane)) as client:
         worker = {"Authorization": f"Bearer {WORKER}"}
@@ -80,9 +96,33 @@ def test_a_row_is_served_guarded_and_bounded_the_same_both_ways(tmp_path: Path,
         assert big.status_code == 413 and "64-byte" in big.json()["detail"]
 
 
+@pytest.mark.parametrize("lane", LANES)
+def test_a_handler_bug_is_the_apps_500_and_raised_on(tmp_path: Path, lane: str) -> None:
+    ctx = build_context(_settings(tmp_path))
+    app = _app(ctx, [FAIL], lane=lane)
+    worker = {"Authorization": f"Bearer {WORKER}"}
+    with TestClient(app, raise_server_exceptions=False) as client:
+        answer = client.post("/fail", json={"text": "hi"}, headers=worker)
+        assert answer.status_code == 500
+        assert answer.json() == {"detail": "internal server error",
+                                 "hint": "see the swarm server log"}
+        assert client.post("/fail", json={"text": "hi"}).status_code == 401  # gate first
+    with TestClient(app) as client, pytest.raises(RuntimeError, match="a bug"):
+        client.post("/fail", json={"text": "hi"}, headers=worker)  # on to the server
+
+
+def test_create_app_puts_the_lane_in_front(tmp_path: Path) -> None:
+    app = create_app(_settings(tmp_path))
+    assert isinstance(app, SwarmApp) and app.lane is not None
+    assert app.lane.gate is not None  # it gates its requests itself
+    assert app.lane.paths == {row.path for row in EPISODE_ROUTES if row.on_lane}
+    # the stack behind it has no lane of its own: what the front passes on is FastAPI's
+    assert not any(m.cls is EpisodeLane for m in app.user_middleware)
+
+
 def test_a_row_is_documented(tmp_path: Path) -> None:
     ctx = build_context(_settings(tmp_path))
-    spec = _app(ctx, [ECHO], lane=True).openapi()
+    spec = _app(ctx, [ECHO], lane="front").openapi()
     op = spec["paths"]["/echo"]["post"]
     assert op["description"] == "Say it back."
     assert op["requestBody"]["required"] is True
@@ -131,3 +171,19 @@ def test_an_episode_key_is_verified_once_per_request(tmp_path: Path,
                           ).status_code == 404
         assert verified == [key]
 
+
+
+@pytest.mark.parametrize("scope", [
+    {"headers": [(b"host", b"10.0.0.5:8000")], "server": ("127.0.0.1", 8000)},
+    {"headers": [(b"host", b"swarm.example")], "scheme": "https"},
+    {"headers": [], "server": ["127.0.0.1", 8000]},
+    {"headers": [], "server": ("::1", 80), "root_path": "/swarm"},
+    {"headers": [(b"host", b"a"), (b"host", b"b")], "server": ("127.0.0.1", 8000)},
+])
+def test_begin_gives_the_base_url_starlette_would(scope: dict[str, Any]) -> None:
+    from swarm_server.routes.episodes import _base_url
+
+    full = {"type": "http", "method": "POST", "path": "/begin_episode", "query_string": b"",
+            "scheme": "http", **scope}
+    for _ in range(2):  # computed, then cached
+        assert _base_url(Request(full)) == str(Request(full).base_url)
