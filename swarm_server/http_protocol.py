@@ -25,7 +25,7 @@ Two parsers, one behaviour (`with_header_timeout` picks):
 `swarm_server.limits` checks the same header bound again on the parsed request, whatever
 parser ran.
 
-Both also write a response's head and body in one `write` (`_CoalescedWrites`): uvicorn
+Both also write a response's head and body in one `write` (`ajet.coalesced_writes`): uvicorn
 writes the head as soon as the app starts the response and the body when it is sent,
 two segments and two wake-ups of the client for every small JSON answer of the episode
 plane. Writes made within one turn of the event loop go out together at its end.
@@ -39,6 +39,8 @@ from typing import Any, ClassVar
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ajet.coalesced_writes import CoalescedWrites
 
 __all__ = ["HeaderTimeoutProtocol", "HttpToolsHeaderTimeoutProtocol", "httptools_available",
            "with_header_timeout"]
@@ -57,61 +59,6 @@ def _refusal(status: bytes, detail: str, hint: str) -> bytes:
     return (b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
             b"connection: close\r\ncontent-length: " + str(len(body)).encode()
             + b"\r\n\r\n" + body)
-
-
-class _CoalescedWrites:
-    """A transport whose writes within one turn of the event loop go out as one `write`.
-
-    Everything else is the wrapped transport's; `close` and `write_eof` send what is
-    pending first, `abort` drops it. The delay is to the end of the current turn (the
-    app's head and body messages are sent without yielding in between), never a timer.
-    """
-
-    __slots__ = ("_loop", "_pending", "_transport", "is_closing", "pause_reading",
-                 "resume_reading")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-        # called on every request: bound here rather than found by `__getattr__` each time
-        self.is_closing = transport.is_closing
-        self.pause_reading = transport.pause_reading
-        self.resume_reading = transport.resume_reading
-
-    def write(self, data: bytes) -> None:
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
-
-    def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def abort(self) -> None:
-        self._pending.clear()
-        self._transport.abort()
-
-    def _flush(self) -> None:
-        if self._pending:
-            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-            self._pending.clear()
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 class _HeaderDeadline:
@@ -167,7 +114,7 @@ class HeaderTimeoutProtocol(_HeaderDeadline, H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = _CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
+        self.transport = CoalescedWrites(transport, self.loop)  # type: ignore[assignment]
         self._arm()  # a connection that never sends a byte is closed too
 
     def data_received(self, data: bytes) -> None:
@@ -213,7 +160,7 @@ class HttpToolsHeaderTimeoutProtocol(_HeaderDeadline, _HttpToolsBase):  # type: 
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.transport = _CoalescedWrites(transport, self.loop)
+        self.transport = CoalescedWrites(transport, self.loop)
         self._arm()
 
     def data_received(self, data: bytes) -> None:

@@ -22,10 +22,12 @@ import threading
 import time
 from pathlib import Path
 
-import uvicorn
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI
+
+from ajet.coalesced_writes import CoalescedWrites
 
 __all__ = ["BearerGuard", "ChannelServer"]
 
@@ -62,65 +64,9 @@ class BearerGuard:
         await self.app(scope, receive, send)
 
 
-class _CoalescedWrites:
-    """A transport whose writes within one turn of the event loop go out as one `write`.
-
-    uvicorn writes a response's head when the app starts it and its body when it is sent:
-    two `send`s, between which this thread gives the GIL up and must win it back from
-    the generator's thread. The peer (the swarm server) got about every other chat reply
-    in two reads, and woke twice for it. Everything but `write` is the wrapped
-    transport's; `close` sends what is pending first.
-    """
-
-    __slots__ = ("_loop", "_pending", "_transport", "is_closing", "pause_reading",
-                 "resume_reading")
-
-    def __init__(self, transport: Any, loop: Any) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] = []
-        self.is_closing = transport.is_closing
-        self.pause_reading = transport.pause_reading
-        self.resume_reading = transport.resume_reading
-
-    def write(self, data: bytes) -> None:
-        if not self._pending:
-            self._loop.call_soon(self._flush)
-        self._pending.append(data)
-
-    def writelines(self, lines: Any) -> None:
-        for data in lines:
-            self.write(data)
-
-    def get_write_buffer_size(self) -> int:
-        return int(self._transport.get_write_buffer_size()) + sum(map(len, self._pending))
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def write_eof(self) -> None:
-        self._flush()
-        self._transport.write_eof()
-
-    def abort(self) -> None:
-        self._pending.clear()
-        self._transport.abort()
-
-    def _flush(self) -> None:
-        if self._pending:
-            data = self._pending[0] if len(self._pending) == 1 else b"".join(self._pending)
-            self._pending.clear()
-            if not self._transport.is_closing():
-                self._transport.write(data)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
 def _http_protocol() -> Any:
     """uvicorn's httptools protocol writing each response in one piece
-    (`_CoalescedWrites`); uvicorn's choice ("auto") where httptools is missing."""
+    (`ajet.coalesced_writes`); uvicorn's choice ("auto") where httptools is missing."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
@@ -129,7 +75,7 @@ def _http_protocol() -> Any:
     class CoalescingHttpToolsProtocol(HttpToolsProtocol):  # type: ignore[misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self.transport = _CoalescedWrites(transport, self.loop)
+            self.transport = CoalescedWrites(transport, self.loop)
 
     return CoalescingHttpToolsProtocol
 
