@@ -9,8 +9,8 @@ built from the same rows:
 - `plane_router(rows)`: the documented FastAPI endpoints (`/docs`, `/openapi.json`), one
   per row, each declaring the row's requirement and body bound as dependencies and
   calling the row's handler;
-- `EpisodeLane(app, rows=..., router=..., gate=...)`: serves the rows with no path
-  parameter straight from a `(method, path)` dict.
+- `EpisodeLane(rows=..., router=..., gate=...)`: serves the rows with no path parameter
+  straight from a `(method, path)` dict.
 
 Every rollout worker calls begin, chat and end once per episode, and many laptops send
 rollouts to one server, so the server's CPU per call bounds the cluster. FastAPI's share
@@ -31,13 +31,11 @@ directly:
   OpenAI-shaped under `/v1/`, Anthropic-shaped on the Messages routes).
 
 Everything else (other methods or paths, a `root_path` deployment) goes on to FastAPI,
-which serves the same rows through the endpoints `plane_router` made. `create_app` puts
-the lane in front of the whole app (`main.SwarmApp`) with `gate`, the limits gate: the
-lane passes each of its requests through that gate's first gate (header size, a
+which serves the same rows through the endpoints `plane_router` made. The lane sits in
+front of the whole app (`main.SwarmApp.put_lane_in_front`) with `gate`, the limits gate:
+it passes each of its requests through that gate's first gate (header size, a
 credential, the episode key of `/v1/*`) and its second (the body), and answers an
 unexpected error with the app's 500 handler as Starlette's outermost layer would.
-Without `gate` it is an ordinary middleware to add inside `LimitsMiddleware`, which has
-then run the first gate for every request it sees.
 
 To add a route: one more row in the table, and the engine's route at the same path
 (`ajet.protocol.PlanePath`).
@@ -58,7 +56,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from pydantic_core import to_json
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from swarm_server.auth import Requirement
 from ajet.errors import SwarmHTTPError, error_response
@@ -179,18 +177,15 @@ class _Lane:
 
 
 class EpisodeLane:
-    """ASGI middleware; see the module docstring.
+    """The lane in front of the app (`main.SwarmApp`); see the module docstring.
 
-    Without `gate`, it sits inside `LimitsMiddleware`, which has checked the request's
-    headers and gates its body. With `gate` (the app's front, `main.SwarmApp`), it runs
-    in front of the whole middleware stack and passes each of its requests through that
-    gate itself, and answers an unexpected error as the stack's outermost error handler
-    does (the app's 500 handler, then the error raised on to the server).
+    It passes each of its requests through `gate` itself, and answers an unexpected error
+    as the stack's outermost error handler does (the app's 500 handler, then the error
+    raised on to the server).
     """
 
-    def __init__(self, app: ASGIApp, *, rows: Sequence[PlaneRoute], router: APIRouter,
-                 gate: LimitsMiddleware | None = None) -> None:
-        self.app = app
+    def __init__(self, *, rows: Sequence[PlaneRoute], router: APIRouter,
+                 gate: LimitsMiddleware) -> None:
         self.gate = gate
         declared = {(route.path, method): route for route in router.routes
                     if isinstance(route, APIRoute) for method in route.methods}
@@ -218,20 +213,9 @@ class EpisodeLane:
             return self._table.get((scope["method"], scope["path"]))
         return None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hit = self.lookup(scope)
-        if hit is None:
-            await self.app(scope, receive, send)
-        else:
-            await self.serve(hit, scope, receive, send)
-
     async def serve(self, hit: _Lane, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer a request `lookup` found a row for."""
         gate = self.gate
-        if gate is None:  # inside the limits gate and the stack's error handler
-            response = await _respond(hit, scope["app"].state.ctx, scope, receive)
-            await response(scope, receive, send)
-            return
         try:
             refusal = gate.first_gate(scope)
             if refusal is None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from starlette.types import Receive, Scope, Send
 
 import ajet
@@ -25,7 +25,7 @@ from swarm_server.context import ServerContext
 from swarm_server.engine import EngineController
 from swarm_server.devices import DevicePool
 from swarm_server.engine_user import resolve_engine_user
-from swarm_server.episode_lane import EpisodeLane
+from swarm_server.episode_lane import EpisodeLane, PlaneRoute
 from swarm_server.episodes import EpisodeGateway
 from swarm_server.errors import StartupRefused, install_error_handlers
 from swarm_server.ledger import Ledger, LedgerUnusable, check_ledger_file, set_ledger_aside
@@ -176,10 +176,7 @@ def create_app(settings: Settings) -> SwarmApp:
     app.include_router(docs.router)
     # Auth, header/body/depth caps and body timeouts before any route parses a byte.
     app.add_middleware(LimitsMiddleware, ctx=ctx)
-    # The hot episode routes without FastAPI's routing or middleware stack
-    # (swarm_server.episode_lane), through the same limits gate.
-    app.lane = EpisodeLane(app.stack, rows=episodes.EPISODE_ROUTES, router=episodes.router,
-                           gate=LimitsMiddleware(app.stack, ctx=ctx))
+    app.put_lane_in_front(episodes.EPISODE_ROUTES, episodes.router, ctx)
     return app
 
 
@@ -207,6 +204,13 @@ class SwarmApp(FastAPI):
                 await lane.serve(hit, scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    def put_lane_in_front(self, rows: Sequence[PlaneRoute], router: APIRouter,
+                          ctx: ServerContext) -> None:
+        """Serve `rows` (built into `router` by `plane_router`) without FastAPI's routing
+        or middleware stack, through a limits gate of their own."""
+        self.lane = EpisodeLane(rows=rows, router=router,
+                                gate=LimitsMiddleware(self.stack, ctx=ctx))
 
     async def stack(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app without the lane in front (what the lane passes on)."""

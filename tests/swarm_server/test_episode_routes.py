@@ -1,7 +1,7 @@
 """The episode plane's route table: one row is the route, on the lane and in FastAPI alike.
 
 In-process (`TestClient`), no engine: a row added to a table is served by `EpisodeLane`
-(in front of the middleware stack, as `create_app` puts it, or inside the limits gate)
+(in front of the middleware stack, as `create_app` puts it)
 with its requirement and body bound enforced by the limits gate, served the same by the
 FastAPI endpoint built from it, a bug in its handler is the app's 500 every way, and it
 is documented in the OpenAPI schema; the real table's rows are exactly the documented
@@ -22,7 +22,7 @@ from ajet.protocol import PlanePath
 from swarm_server.auth import ReaderRequirement
 from swarm_server.context import ServerContext
 from swarm_server.episode_keys import EpisodeKeySigner
-from swarm_server.episode_lane import EpisodeLane, PlaneRoute, plane_router
+from swarm_server.episode_lane import PlaneRoute, plane_router
 from swarm_server.episodes import _Entry
 from swarm_server.errors import install_error_handlers
 from swarm_server.limits import BodyLimit, LimitsMiddleware
@@ -61,22 +61,19 @@ FAIL = PlaneRoute("POST", "/fail", _fail, ReaderRequirement(), BodyLimit(bound=l
 
 def _app(ctx: ServerContext, rows: list[PlaneRoute], *, lane: str) -> FastAPI:
     """An app assembled like `create_app` ("front": the lane in front of the stack), from
-    `rows` alone; or with the lane inside the limits gate, or without a lane."""
+    `rows` alone; or without a lane ("fastapi")."""
     app = SwarmApp() if lane == "front" else FastAPI()
     app.state.ctx = ctx
     install_error_handlers(app)
     router = plane_router(rows)
     app.include_router(router)
-    if lane == "inside":
-        app.add_middleware(EpisodeLane, rows=rows, router=router)
     app.add_middleware(LimitsMiddleware, ctx=ctx)
-    if isinstance(app, SwarmApp) and lane == "front":
-        app.lane = EpisodeLane(app.stack, rows=rows, router=router,
-                               gate=LimitsMiddleware(app.stack, ctx=ctx))
+    if isinstance(app, SwarmApp):
+        app.put_lane_in_front(rows, router, ctx)
     return app
 
 
-LANES = ["front", "inside", "fastapi"]
+LANES = ["front", "fastapi"]
 
 
 @pytest.mark.parametrize("lane", LANES)
@@ -114,10 +111,7 @@ def test_a_handler_bug_is_the_apps_500_and_raised_on(tmp_path: Path, lane: str) 
 def test_create_app_puts_the_lane_in_front(tmp_path: Path) -> None:
     app = create_app(_settings(tmp_path))
     assert isinstance(app, SwarmApp) and app.lane is not None
-    assert app.lane.gate is not None  # it gates its requests itself
     assert app.lane.paths == {row.path for row in EPISODE_ROUTES if row.on_lane}
-    # the stack behind it has no lane of its own: what the front passes on is FastAPI's
-    assert not any(m.cls is EpisodeLane for m in app.user_middleware)
 
 
 def test_a_row_is_documented(tmp_path: Path) -> None:
