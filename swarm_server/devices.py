@@ -22,20 +22,22 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from ajet.errors import EngineStateConflict
 from ajet.protocol import DevicePoolStatus
 
-__all__ = ["DevicePool", "detect_gpu_memory", "detect_gpus", "devices_needed"]
+__all__ = ["GPU_MEMORY_ENV", "HOST_MEMORY_ENV", "DevicePool", "detect_gpu_memory", "detect_gpus",
+           "devices_needed", "planner_memory_env"]
 
 log = logging.getLogger(__name__)
 
 _NVIDIA_SMI_TIMEOUT_S = 10.0
-#: The planner's word for a GPU's memory (ajet/engine/planning/memory_plan.py; the server
-#: never imports the engine's modules).
-_GPU_MEMORY_ENV = "AJET_ENGINE_GPU_MEMORY_GB"
+#: The memory planner's overrides of one node's host memory and one GPU's memory, in GiB
+#: (ajet/engine/planning/memory_plan.py reads them; the server never imports the engine).
+HOST_MEMORY_ENV = "AJET_ENGINE_HOST_MEMORY_GB"
+GPU_MEMORY_ENV = "AJET_ENGINE_GPU_MEMORY_GB"
 
 
 def detect_gpus(environ: Mapping[str, str] | None = None) -> list[int]:
@@ -82,6 +84,19 @@ def _nvidia_smi(env: Mapping[str, str], *args: str) -> str | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("nvidia-smi %s failed (%s); no GPU slots", " ".join(args), exc)
         return None
+
+
+def planner_memory_env(*, host_bytes: Iterable[float] = (), gpu_mib: Iterable[float] = ()
+                       ) -> dict[str, str]:
+    """The planner's overrides for the smallest of the hosts and of the GPUs a run may get
+    (a run may land on any of them); a figure without values is left out."""
+    hosts, gpus = list(host_bytes), list(gpu_mib)
+    env = {}
+    if hosts:
+        env[HOST_MEMORY_ENV] = f"{min(hosts) / 2**30:.3f}"
+    if gpus:
+        env[GPU_MEMORY_ENV] = f"{min(gpus) / 1024:.3f}"
+    return env
 
 
 def devices_needed(job: Mapping[str, object], kind: str) -> int:
@@ -210,10 +225,10 @@ class DevicePool:
         """For the memory planner at config time, on a GPU host: the smallest GPU among
         the slots (a run may be given any of them), else the slots themselves, so that it
         never plans against a GPU no run can get. Nothing on a CPU host or under Ray."""
-        if self.kind != "gpu" or not self.slots or _GPU_MEMORY_ENV in os.environ:
+        if self.kind != "gpu" or not self.slots or GPU_MEMORY_ENV in os.environ:
             return {}  # (the operator's own figure for the planner stands)
         if len(self.memory_mib) == len(self.slots):
-            return {_GPU_MEMORY_ENV: f"{min(self.memory_mib.values()) / 1024:.3f}"}
+            return planner_memory_env(gpu_mib=self.memory_mib.values())
         env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.slots))}
         if self.pci_order:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"

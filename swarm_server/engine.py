@@ -322,44 +322,32 @@ class EngineController:
         with self._lock:
             return self._last_error
 
-    def engine_socket(self) -> Path | None:
-        """The serving engine's Unix socket (for the episode gateway), else None."""
-        with self._lock:
-            if self._run is not None and self._state in SERVING_STATES:
-                return self._run.socket_path
-            return None
-
     def serving_socket_of(self, run_id: str) -> Path | None:
-        """`engine_socket()` if `run_id` is the serving run, else None (one lock: the
-        episode plane asks on every call)."""
+        """The Unix socket of run `run_id`'s engine while it serves, else None (one lock:
+        the episode plane asks on every call)."""
         with self._lock:
-            run = self._run
-            if run is not None and run.run_id == run_id and self._state in SERVING_STATES:
-                return run.socket_path
-            return None
+            run = self._serving_locked(run_id)
+            return run.socket_path if run is not None else None
 
     def step_of(self, run_id: str) -> int | None:
-        """`current_step()` if `run_id` is the serving run, else None (one lock)."""
+        """Run `run_id`'s training step (updates done) at its last report while it
+        serves, else None."""
         with self._lock:
-            run = self._run
-            if (run is not None and run.run_id == run_id and self._state in SERVING_STATES
-                    and run.report):
-                return run.report.step
+            run = self._serving_locked(run_id)
+            return run.report.step if run is not None and run.report else None
+
+    def _serving_locked(self, run_id: str | None = None) -> _Run | None:
+        """The serving run (`run_id`'s, if given), else None. Caller holds `_lock`."""
+        run = self._run
+        if run is None or self._state not in SERVING_STATES:
             return None
+        return run if run_id is None or run.run_id == run_id else None
 
     def current_run_id(self) -> str | None:
         """The serving engine's run id, else None."""
         with self._lock:
-            if self._run is not None and self._state in SERVING_STATES:
-                return self._run.run_id
-            return None
-
-    def current_step(self) -> int | None:
-        """The serving engine's training step (updates done) at its last report, else None."""
-        with self._lock:
-            if self._run is not None and self._state in SERVING_STATES and self._run.report:
-                return self._run.report.step
-            return None
+            run = self._serving_locked()
+            return run.run_id if run is not None else None
 
     def latest_run_id(self) -> str | None:
         """The run of the engine process if there is one, else the newest run ever."""

@@ -40,6 +40,7 @@ from typing import Any
 import yaml
 
 from ajet.protocol import EngineReport
+from swarm_server.devices import planner_memory_env
 from swarm_server.engine_channel import ChannelTarget, TcpEndpoint
 from swarm_server.launchers.ajet_ray_job.wire import MARK, SPEC_ENV, parse_marker
 from swarm_server.settings import Settings
@@ -116,12 +117,7 @@ def node_memory_env(nodes: list[dict[str, Any]]) -> dict[str, str]:
                 else None
             if isinstance(total, (int, float)) and total > 0:
                 gpus.append(float(total))
-    env = {}
-    if hosts:
-        env["AJET_ENGINE_HOST_MEMORY_GB"] = f"{min(hosts) / 2**30:.3f}"
-    if gpus:
-        env["AJET_ENGINE_GPU_MEMORY_GB"] = f"{min(gpus) / 1024:.3f}"
-    return env
+    return planner_memory_env(host_bytes=hosts, gpu_mib=gpus)
 
 
 @dataclass

@@ -82,7 +82,7 @@ def test_start_boots_spawns_contract_command_and_follows_reports(h: Harness) -> 
     serve(proc, S.ROLLING, step=3)
     wait_until(lambda: h.ctl.state is S.ROLLING)
     assert h.ctl.current_run_id() == run_id
-    assert h.ctl.engine_socket() == proc.socket_path
+    assert h.ctl.serving_socket_of(run_id) == proc.socket_path
     status = h.ctl.status()
     assert (status.run_id, status.pid, status.step, status.experiment_name) == \
         (run_id, proc.pid, 3, "exp-a")
@@ -181,7 +181,7 @@ def test_killed_while_rolling_goes_offline_with_last_error(h: Harness) -> None:
     err = h.ctl.status().last_error
     assert err is not None and err.exit_code == -9
     assert "SIGKILL" in err.reason and "ENGINE.ROLLING" in err.reason
-    assert h.ctl.engine_socket() is None
+    assert h.ctl.serving_socket_of(run_id) is None
     rec = h.ledger.get_run(run_id)
     assert rec is not None and rec.status == "failed" and rec.final_state == "ENGINE.ROLLING"
 
