@@ -132,6 +132,10 @@ class EpisodeGateway:
         self._episodes: dict[str, _Entry] = {}
         self._channels: dict[str, tuple[Path, EngineChannel]] = {}  # run id -> its channel
         self._pruned_at_step: dict[str, int] = {}  # run id -> step its entries were pruned at
+        #: the server's public base URL by what it is made of (scheme, server, Host, root
+        #: path): begin_episode answers it on every call (`routes.episodes`); the Host
+        #: header is the caller's, so the routes keep it bounded
+        self.base_urls: dict[tuple[Any, ...], str] = {}
 
     async def aclose(self) -> None:
         for _, channel in self._channels.values():

@@ -47,7 +47,7 @@ from swarm_server.auth import EPISODE_SCOPE, EpisodeKeyRequirement, ReaderRequir
 from swarm_server.context import ServerContext
 from swarm_server.episode_lane import PlaneRoute, plane_router
 from swarm_server.errors import is_anthropic_path
-from swarm_server.limits import BodyLimit
+from swarm_server.limits import BodyLimit, request_headers
 
 __all__ = ["EPISODE_ROUTES", "router"]
 
@@ -82,30 +82,28 @@ _OPENAI_ERRORS: dict[int | str, dict[str, Any]] = {
 async def _begin(ctx: ServerContext, request: Request, body: BeginEpisodeRequest | None
                  ) -> BeginEpisodeResponse:
     return await ctx.episodes.begin(body or BeginEpisodeRequest(),
-                                    public_base_url=_base_url(request))
+                                    public_base_url=_base_url(ctx, request))
 
 
-#: `str(request.base_url)` by what it is made of: Starlette builds a URL object per call
-_BASE_URLS: dict[tuple[Any, ...], str] = {}
-_MAX_BASE_URLS = 64  # the Host header is the caller's: the cache is bounded
+#: Base URLs `_base_url` keeps at most (the Host header is the caller's)
+_MAX_BASE_URLS = 64
 
 
-def _base_url(request: Request) -> str:
+def _base_url(ctx: ServerContext, request: Request) -> str:
+    """`str(request.base_url)`, kept by what it is made of: Starlette builds a URL object
+    per call."""
     scope = request.scope
-    host = None
-    for name, value in scope["headers"]:
-        if name == b"host":
-            host = value
-            break
     server = scope.get("server")  # a tuple from uvicorn, a list from some servers
-    key = (scope.get("scheme"), tuple(server) if server else server, host,
+    key = (scope.get("scheme"), tuple(server) if server else server,
+           request_headers(scope).get("host"),
            scope.get("app_root_path", scope.get("root_path", "")))
-    url = _BASE_URLS.get(key)
+    urls = ctx.episodes.base_urls
+    url = urls.get(key)
     if url is None:
         url = str(request.base_url)
-        if len(_BASE_URLS) >= _MAX_BASE_URLS:
-            _BASE_URLS.clear()
-        _BASE_URLS[key] = url
+        if len(urls) >= _MAX_BASE_URLS:
+            urls.clear()
+        urls[key] = url
     return url
 
 

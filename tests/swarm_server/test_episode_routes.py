@@ -11,6 +11,7 @@ episode routes; and an episode key is verified once per `/v1/*` request.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -179,5 +180,7 @@ def test_begin_gives_the_base_url_starlette_would(scope: dict[str, Any]) -> None
 
     full = {"type": "http", "method": "POST", "path": "/begin_episode", "query_string": b"",
             "scheme": "http", **scope}
-    for _ in range(2):  # computed, then cached
-        assert _base_url(Request(full)) == str(Request(full).base_url)
+    ctx: Any = SimpleNamespace(episodes=SimpleNamespace(base_urls={}))
+    for _ in range(2):  # computed, then kept
+        assert _base_url(ctx, Request(full)) == str(Request(full).base_url)
+    assert len(ctx.episodes.base_urls) == 1
