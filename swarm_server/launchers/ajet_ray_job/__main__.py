@@ -79,15 +79,20 @@ def _free_per_node() -> list[tuple[str, str, dict[str, float]]]:
     return out
 
 
+def _holds(resources: dict[str, float], bundle: dict[str, float]) -> bool:
+    """Whether a node with `resources` holds one bundle."""
+    return all(resources.get(k, 0.0) >= v for k, v in bundle.items())
+
+
 def _could_ever_hold(bundle: dict[str, float], nnodes: int) -> bool:
     """Whether the alive nodes' total resources (everything free) could hold the run."""
     totals = [node.get("Resources", {}) for node in ray.nodes() if node.get("Alive")]
-    return sum(all(t.get(k, 0.0) >= v for k, v in bundle.items()) for t in totals) >= nnodes
+    return sum(_holds(t, bundle) for t in totals) >= nnodes
 
 
 def _capacity_problem(bundle: dict[str, float], nnodes: int) -> str | None:
     nodes = _free_per_node()
-    fitting = [n for n in nodes if all(n[2].get(k, 0.0) >= v for k, v in bundle.items())]
+    fitting = [n for n in nodes if _holds(n[2], bundle)]
     if len(fitting) >= nnodes:
         return None
     free = "; ".join(f"node {node_id[:8]} ({addr}): {_fmt(res)}" for node_id, addr, res in nodes)
