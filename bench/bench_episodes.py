@@ -45,7 +45,7 @@ from bench.context import BenchContext
 from bench.harness import WORKER_TOKEN, LocalServer, tiny_job, wait_rolling_on
 from bench.report import Row
 
-__all__ = ["run"]
+__all__ = ["KINDS", "Samples", "Way", "engine_socket", "run", "server_cpu"]
 
 RERUN = "python -m bench --only episodes"
 #: Goals of the episode plane's CPU budget (docs/design.md, "Budgets", episode plane).
@@ -57,11 +57,11 @@ MAX_TOKENS = 16
 WORKLOAD = f"begin, chat of a {len(PROMPT)}-char prompt with max_tokens={MAX_TOKENS}, end"
 _CHAT = {"model": "ajet-tiny", "messages": [{"role": "user", "content": PROMPT}],
          "max_tokens": MAX_TOKENS}
-_KINDS = ("begin", "chat", "end")
+KINDS = ("begin", "chat", "end")
 
 
 @dataclass
-class _Samples:
+class Samples:
     """Per-call latencies (seconds) of one way of calling."""
 
     begin: list[float] = field(default_factory=list)
@@ -88,7 +88,7 @@ class _Cpu:
         return statistics.fmean(self.per_call.values())
 
 
-class _Way:
+class Way:
     """One way of calling (through the server, or direct on the socket), call by call."""
 
     def __init__(self, client: httpx.AsyncClient, *, proxied: bool) -> None:
@@ -108,7 +108,7 @@ class _Way:
         await _timed(s, self.client.post("/end_episode", headers=self.worker, json={
             "episode_uuid": begun["episode_uuid"], "task_id": uuid.uuid4().hex, "reward": 0.0}))
 
-    async def cycle(self, s: _Samples) -> None:
+    async def cycle(self, s: Samples) -> None:
         t0 = time.perf_counter()
         begun = await self.begin(s.begin)
         await self.chat(s.chat, begun)
@@ -136,7 +136,7 @@ def _cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-async def _concurrent(cycle: Callable[[_Samples], Awaitable[None]], samples: _Samples,
+async def _concurrent(cycle: Callable[[Samples], Awaitable[None]], samples: Samples,
                       proc: psutil.Process, *, workers: int, per_worker: int) -> None:
     async def worker() -> None:
         for _ in range(per_worker):
@@ -148,13 +148,13 @@ async def _concurrent(cycle: Callable[[_Samples], Awaitable[None]], samples: _Sa
     samples.cpu_s += _cpu_s(proc) - cpu0
 
 
-async def _server_cpu(way: _Way, proc: psutil.Process, *, rounds: int, per_round: int,
+async def server_cpu(way: Way, proc: psutil.Process, *, rounds: int, per_round: int,
                       idle_s: float) -> _Cpu:
     """CPU per call, kind by kind: `per_round` begins, then as many chats, then ends."""
     cpu0 = _cpu_s(proc)
     await asyncio.sleep(idle_s)
     result = _Cpu(idle_per_s=(_cpu_s(proc) - cpu0) / idle_s)
-    spent = dict.fromkeys(_KINDS, 0.0)
+    spent = dict.fromkeys(KINDS, 0.0)
 
     async def phase(kind: str, calls: list[Callable[[], Awaitable[object]]]) -> list[object]:
         t0, c0 = time.perf_counter(), _cpu_s(proc)
@@ -174,29 +174,29 @@ async def _server_cpu(way: _Way, proc: psutil.Process, *, rounds: int, per_round
 
 async def _measure(url: str, socket: Path, proc: psutil.Process, *, cycles_1: int,
                    cpu_rounds: int, cpu_per_round: int, rounds_16: int, per_worker_16: int,
-                   idle_s: float) -> tuple[_Cpu, dict[int, tuple[_Samples, _Samples]]]:
+                   idle_s: float) -> tuple[_Cpu, dict[int, tuple[Samples, Samples]]]:
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as via, \
             httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(socket), limits=limits),
                               base_url="http://engine", timeout=60) as direct:
-        proxied, engine = _Way(via, proxied=True), _Way(direct, proxied=False)
+        proxied, engine = Way(via, proxied=True), Way(direct, proxied=False)
         for way in (proxied, engine):  # warm up connections and code paths
             for _ in range(3):
-                await way.cycle(_Samples())
-        cpu = await _server_cpu(proxied, proc, rounds=cpu_rounds, per_round=cpu_per_round,
+                await way.cycle(Samples())
+        cpu = await server_cpu(proxied, proc, rounds=cpu_rounds, per_round=cpu_per_round,
                                 idle_s=idle_s)
-        one = (_Samples(), _Samples())
+        one = (Samples(), Samples())
         for _ in range(cycles_1):
             await proxied.cycle(one[0])
             await engine.cycle(one[1])
-        many = (_Samples(), _Samples())
+        many = (Samples(), Samples())
         for _ in range(rounds_16):
             await _concurrent(proxied.cycle, many[0], proc, workers=16, per_worker=per_worker_16)
             await _concurrent(engine.cycle, many[1], proc, workers=16, per_worker=per_worker_16)
     return cpu, {1: one, 16: many}
 
 
-def _engine_socket(workdir: Path, run_id: str) -> Path:
+def engine_socket(workdir: Path, run_id: str) -> Path:
     """Where the server told the engine to listen (docs/internals.md, socket path rule)."""
     path = workdir / "runs" / run_id / "engine.sock"
     if path.exists():
@@ -210,7 +210,7 @@ def _ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1000
 
 
-def _rows(cpu: _Cpu, results: dict[int, tuple[_Samples, _Samples]]) -> list[Row]:
+def _rows(cpu: _Cpu, results: dict[int, tuple[Samples, Samples]]) -> list[Row]:
     cpu_ms = cpu.mean * 1000
     split = ", ".join(f"{k} {v * 1000:.3f}" for k, v in cpu.per_call.items())
     rows = [Row(
@@ -225,7 +225,7 @@ def _rows(cpu: _Cpu, results: dict[int, tuple[_Samples, _Samples]]) -> list[Row]
             f"episode cycle via server ({WORKLOAD}), {who}", _ms(via.cycle), "ms",
             "same calls on the engine's Unix socket", _ms(direct.cycle), rerun=RERUN,
             repetitions=len(via.cycle)))
-        added = {k: _ms(getattr(via, k)) - _ms(getattr(direct, k)) for k in _KINDS}
+        added = {k: _ms(getattr(via, k)) - _ms(getattr(direct, k)) for k in KINDS}
         per_call = statistics.fmean(added.values())
         split = ", ".join(f"{k} {v:+.2f}" for k, v in added.items())
         if workers == 1:
@@ -259,7 +259,7 @@ def run(ctx: BenchContext) -> list[Row]:
         status = wait_rolling_on(client, None, previous_run=None)
         if status.run_id is None or server.pid is None:
             raise RuntimeError("the engine is ROLLING without a run id")
-        socket = _engine_socket(server.workdir, status.run_id)
+        socket = engine_socket(server.workdir, status.run_id)
         cpu, results = asyncio.run(_measure(
             server.url, socket, psutil.Process(server.pid), cycles_1=cycles_1,
             cpu_rounds=cpu_rounds, cpu_per_round=10 if ctx.quick else 100,

@@ -42,7 +42,7 @@ from typing import Any
 import httpx
 import psutil
 
-from bench.bench_episodes import _KINDS, _Samples, _Way
+from bench.bench_episodes import KINDS, Samples, Way
 from bench.harness import LocalServer, tiny_job, wait_rolling_on
 
 __all__ = ["main", "top"]
@@ -73,8 +73,8 @@ def top(collapsed: str, n: int = 25) -> tuple[list[tuple[str, int]], list[tuple[
 async def _drive(url: str, seconds: float, workers: int) -> int:
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        way = _Way(client, proxied=True)
-        samples = _Samples()
+        way = Way(client, proxied=True)
+        samples = Samples()
         deadline = time.monotonic() + seconds
 
         async def worker() -> None:
@@ -140,9 +140,9 @@ async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int, *,
     limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
     out: list[str] = []
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
-        way = _Way(client, proxied=True)
+        way = Way(client, proxied=True)
         for _ in range(20):  # warm up connections, caches and code paths
-            await way.cycle(_Samples())
+            await way.cycle(Samples())
         unused: list[float] = []
         begun: list[dict[str, object]] = []
         chats = iter(())  # type: ignore[var-annotated]
@@ -166,7 +166,7 @@ async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int, *,
         idle, idle_wall = await switch.profiled(None, 0, seconds=wall)
         idle_calls = idle.total_calls  # type: ignore[attr-defined]
         total = 0.0
-        for kind in _KINDS:
+        for kind in KINDS:
             stats, kind_wall = results[kind]
             scale = kind_wall / idle_wall
             calls = (stats.total_calls - idle_calls * scale) / n  # type: ignore[attr-defined]
@@ -184,7 +184,7 @@ async def _cprofile_kinds(url: str, switch: _Switch, n: int, top_n: int, *,
                     for c, s, name in _per_call_rows(stats, idle, scale, n, 2, top_n)]
             out.append("")
         out.insert(0, f"Python function calls per proxied call, mean of begin, chat, end: "
-                      f"{total / len(_KINDS):.0f}\n")
+                      f"{total / len(KINDS):.0f}\n")
     return out
 
 

@@ -47,7 +47,7 @@ import psutil
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bench.bench_episodes import _Samples
+from bench.bench_episodes import Samples
 
 __all__ = ["main"]
 
@@ -170,7 +170,7 @@ def _against_engine(calls: int) -> dict[str, float]:
     """The bare proxy's CPU per call, kind by kind, in front of a real engine."""
     import shutil
 
-    from bench.bench_episodes import _engine_socket, _server_cpu, _Way
+    from bench.bench_episodes import engine_socket, server_cpu, Way
     from bench.harness import LocalServer, tiny_job, wait_rolling_on
 
     root = Path(tempfile.mkdtemp(prefix="ajf-"))
@@ -180,28 +180,28 @@ def _against_engine(calls: int) -> dict[str, float]:
             client.start_run()
             status = wait_rolling_on(client, None, previous_run=None)
             assert status.run_id is not None
-            socket = _engine_socket(server.workdir, status.run_id)
+            socket = engine_socket(server.workdir, status.run_id)
             port = _free_port()
             proxy = _start("proxy", port=port, upstream=str(socket))
             try:
                 async def measure() -> dict[str, float]:
                     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}",
                                                  timeout=60) as http:
-                        way = _Way(http, proxied=False)  # the engine's own headers
+                        way = Way(http, proxied=False)  # the engine's own headers
                         deadline = time.monotonic() + 30
                         while True:
                             try:
-                                await way.cycle(_Samples())
+                                await way.cycle(Samples())
                                 break
                             except httpx.TransportError:
                                 if time.monotonic() > deadline:
                                     raise
                                 await asyncio.sleep(0.05)
                         for _ in range(5):
-                            await way.cycle(_Samples())
+                            await way.cycle(Samples())
                         # the bench's own phase: 100 of each kind per round (the engine
                         # has 128 slots), rounds enough for the process clock's 10 ms ticks
-                        cpu = await _server_cpu(way, psutil.Process(proxy.pid),
+                        cpu = await server_cpu(way, psutil.Process(proxy.pid),
                                                 rounds=max(1, calls // 100), per_round=100,
                                                 idle_s=3.0)
                         return {**cpu.per_call, "mean": cpu.mean}

@@ -304,13 +304,8 @@ def test_killing_one_nodes_rank_takes_the_run_offline_naming_it(
             assert ident == status.snapshot_id[:12]
         victim = _rank(run_id, 1)
         os.kill(victim.pid, signal.SIGKILL)
-        now = _wait_offline(client)
-        assert now.last_error is not None
-        reason = now.last_error.reason
-        assert re.search(rf"rank 1 \(pid {victim.pid}\) on node 1 \(", reason), reason
-        _wait_no_engine(run_id)
-        assert client.get_run(run_id).status == "failed"
-        assert _live_groups(ray_cluster, run_id) == 0
+        _assert_failed_naming(client, ray_cluster, run_id,
+                              rf"rank 1 \(pid {victim.pid}\) on node 1 \(")
 
 
 def test_losing_a_node_takes_the_run_offline_naming_it(
@@ -326,10 +321,17 @@ def test_losing_a_node_takes_the_run_offline_naming_it(
         (worker,) = cluster.worker_nodes  # type: ignore[attr-defined]
         (index,) = [int(i) for i, ray_id in where.items() if worker.node_id.startswith(ray_id)]
         cluster.remove_node(worker, allow_graceful=False)  # type: ignore[attr-defined]
-        now = _wait_offline(client, timeout=120)
-        assert now.last_error is not None
-        reason = now.last_error.reason
-        assert re.search(rf"rank {index} on node {index} \(.*\) was lost", reason), reason
-        _wait_no_engine(run_id)
-        assert client.get_run(run_id).status == "failed"
-        assert _live_groups(ray_cluster, run_id) == 0
+        _assert_failed_naming(client, ray_cluster, run_id,
+                              rf"rank {index} on node {index} \(.*\) was lost", timeout=120)
+
+
+def _assert_failed_naming(client: SwarmClient, cluster: LocalRayCluster, run_id: str,
+                          pattern: str, *, timeout: float = 90.0) -> None:
+    """The run went OFFLINE as failed, its reason matching `pattern`, and left no engine
+    process and no placement group."""
+    now = _wait_offline(client, timeout=timeout)
+    assert now.last_error is not None
+    assert re.search(pattern, now.last_error.reason), now.last_error.reason
+    _wait_no_engine(run_id)
+    assert client.get_run(run_id).status == "failed"
+    assert _live_groups(cluster, run_id) == 0
