@@ -45,7 +45,7 @@ from bench.context import BenchContext
 from bench.harness import WORKER_TOKEN, LocalServer, tiny_job, wait_rolling_on
 from bench.report import Row
 
-__all__ = ["KINDS", "Samples", "Way", "engine_socket", "run", "server_cpu"]
+__all__ = ["KINDS", "Samples", "Way", "cpu_s", "engine_socket", "run", "server_cpu"]
 
 RERUN = "python -m bench --only episodes"
 #: Goals of the episode plane's CPU budget (docs/design.md, "Budgets", episode plane).
@@ -131,7 +131,7 @@ async def _timed(samples: list[float], call: Awaitable[httpx.Response]) -> dict[
     return _ok(response)
 
 
-def _cpu_s(proc: psutil.Process) -> float:
+def cpu_s(proc: psutil.Process) -> float:
     times = proc.cpu_times()
     return float(times.user + times.system)
 
@@ -142,24 +142,24 @@ async def _concurrent(cycle: Callable[[Samples], Awaitable[None]], samples: Samp
         for _ in range(per_worker):
             await cycle(samples)
 
-    t0, cpu0 = time.perf_counter(), _cpu_s(proc)
+    t0, cpu0 = time.perf_counter(), cpu_s(proc)
     await asyncio.gather(*(worker() for _ in range(workers)))
     samples.busy_s += time.perf_counter() - t0
-    samples.cpu_s += _cpu_s(proc) - cpu0
+    samples.cpu_s += cpu_s(proc) - cpu0
 
 
 async def server_cpu(way: Way, proc: psutil.Process, *, rounds: int, per_round: int,
                       idle_s: float) -> _Cpu:
     """CPU per call, kind by kind: `per_round` begins, then as many chats, then ends."""
-    cpu0 = _cpu_s(proc)
+    cpu0 = cpu_s(proc)
     await asyncio.sleep(idle_s)
-    result = _Cpu(idle_per_s=(_cpu_s(proc) - cpu0) / idle_s)
+    result = _Cpu(idle_per_s=(cpu_s(proc) - cpu0) / idle_s)
     spent = dict.fromkeys(KINDS, 0.0)
 
     async def phase(kind: str, calls: list[Callable[[], Awaitable[object]]]) -> list[object]:
-        t0, c0 = time.perf_counter(), _cpu_s(proc)
+        t0, c0 = time.perf_counter(), cpu_s(proc)
         out = [await call() for call in calls]
-        spent[kind] += _cpu_s(proc) - c0 - result.idle_per_s * (time.perf_counter() - t0)
+        spent[kind] += cpu_s(proc) - c0 - result.idle_per_s * (time.perf_counter() - t0)
         return out
 
     unused: list[float] = []

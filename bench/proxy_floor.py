@@ -47,7 +47,8 @@ import psutil
 from starlette.requests import Request
 from starlette.responses import Response
 
-from bench.bench_episodes import Samples
+from bench.bench_episodes import Samples, cpu_s
+from bench.harness import free_port
 
 __all__ = ["main"]
 
@@ -139,11 +140,6 @@ def _start(kind: str, *, port: int = 0, uds: str | None = None,
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL)
 
 
-def _cpu_s(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
-
-
 async def _measure(url: str, proc: psutil.Process, calls: int) -> float:
     """Server CPU seconds per call, one call at a time."""
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -158,12 +154,12 @@ async def _measure(url: str, proc: psutil.Process, calls: int) -> float:
                 await asyncio.sleep(0.05)
         for _ in range(200):  # warm up
             await client.post("/v1/chat/completions", json=_BODY)
-        cpu0 = _cpu_s(proc)
+        cpu0 = cpu_s(proc)
         for _ in range(calls):
             response = await client.post("/v1/chat/completions", json=_BODY)
             if response.status_code != 200:
                 raise RuntimeError(f"answered {response.status_code}: {response.text[:200]}")
-        return (_cpu_s(proc) - cpu0) / calls
+        return (cpu_s(proc) - cpu0) / calls
 
 
 def _against_engine(calls: int) -> dict[str, float]:
@@ -181,7 +177,7 @@ def _against_engine(calls: int) -> dict[str, float]:
             status = wait_rolling_on(client, None, previous_run=None)
             assert status.run_id is not None
             socket = engine_socket(server.workdir, status.run_id)
-            port = _free_port()
+            port = free_port()
             proxy = _start("proxy", port=port, upstream=str(socket))
             try:
                 async def measure() -> dict[str, float]:
@@ -214,12 +210,6 @@ def _against_engine(calls: int) -> dict[str, float]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _free_port() -> int:
-    from bench.harness import free_port
-
-    return free_port()
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.proxy_floor",
                                 description=__doc__.split("\n\n")[0])
@@ -245,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                                       _WAIT_MS)):
             upstream = os.path.join(tmp, f"engine-{delay_ms}.sock")
             engine = _start("fixed", uds=upstream, delay_ms=delay_ms)
-            port = _free_port()
+            port = free_port()
             server = _start(kind, port=port, upstream=upstream)
             try:
                 calls = args.calls if not delay_ms else min(args.calls, 300)
