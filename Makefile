@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup browser claude-cli demo test test-fast bench bench-peers gpu-check clean
+.PHONY: setup browser claude-cli demo test test-fast bench bench-smoke bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -26,15 +26,22 @@ demo: setup
 # files do not come last. `python -m pytest tests/...` still runs a part in one process.
 TEST_WORKERS := -n 2 --dist loadfile --no-loadscope-reorder
 
+# Everything but the `bench` smoke runs of the benchmark modules that start the engine:
+# those check the measuring code, not the product (`make bench-smoke`; docs/testing.md).
 test: setup browser claude-cli
-	$(PY) -m pytest -q $(TEST_WORKERS)
+	$(PY) -m pytest -q $(TEST_WORKERS) -m "not bench"
 
 # The edit loop: unit tests and the tests that run the server app or the engine's routes
 # in process, about a minute on two cores. Leaves out the `slow` tests and the modules
 # that start real server, engine, CLI or script processes (marked `process` by
 # tests/conftest.py); `make test` runs everything.
 test-fast: setup
-	$(PY) -m pytest -q $(TEST_WORKERS) -m "not slow and not process"
+	$(PY) -m pytest -q $(TEST_WORKERS) -m "not slow and not process and not bench"
+
+# The `bench` tests: every benchmark module once with tiny counts, and the GPU check's
+# two-rank mode on CPU. Run it after changing bench/ or an API that bench/ calls.
+bench-smoke: setup
+	$(PY) -m pytest -q $(TEST_WORKERS) -m bench tests/bench
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
 # browser here). Installed once when missing and the machine allows it (root with

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from ajet.client import SwarmClient  # noqa: E402
 from ajet.copilot.job import AgentJetJob  # noqa: E402
 from ajet.protocol import EngineState  # noqa: E402
 from ajet.rollout import RolloutRunner, load_workflow  # noqa: E402
+from bench.harness import STANDBY_OFF, child_env, free_port, rss_mb  # noqa: E402
 
 __all__ = ["LearningFigures", "main", "measure_learning"]
 
@@ -68,24 +68,6 @@ class LearningFigures:
     config: dict[str, Any]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _rss_mb(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _gain(rewards: list[float]) -> tuple[float | None, float | None, float | None]:
     if len(rewards) < 2 * WINDOW:
         return None, None, None
@@ -113,16 +95,14 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
     workflow, tasks = load_workflow("examples/digits_workflow.py:workflow", PROJECT_ROOT)
     with tempfile.TemporaryDirectory(prefix="ajet-bench-learning-") as tmp:
         root = workdir or Path(tmp)
-        port = _free_port()
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
-        child_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(PROJECT_ROOT), child_env.get("PYTHONPATH")) if p)
-        child_env.update(env or {})
+        port = free_port()
+        # no warm standby: its background import of torch would slow the first steps
+        server_env = child_env({**STANDBY_OFF, **(env or {})})
         log = open(root / "server.log", "ab")  # noqa: SIM115 (closed below)
         server = subprocess.Popen(
             [sys.executable, "-m", "swarm_server", "start", f"--swarm-port={port}",
              "--workdir", str(root), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env,
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=server_env,
             cwd=root)
         client = SwarmClient(f"http://127.0.0.1:{port}", timeout=60)
         runner: RolloutRunner | None = None
@@ -143,10 +123,10 @@ def measure_learning(*, duration_s: float = 90.0, batch_size: int = 4, num_repea
             boot_s = time.monotonic() - t0
             points: list[dict[str, Any]] = []
             met_at: float | None = None
-            peak = _rss_mb(status.pid)
+            peak = rss_mb(status.pid)
             while time.monotonic() - t0 < duration_s:
                 time.sleep(0.25)
-                peak = max(filter(None, (peak, _rss_mb(status.pid))), default=None)
+                peak = max(filter(None, (peak, rss_mb(status.pid))), default=None)
                 points = client.get_metrics().points
                 rewards = [float(p["reward_mean"]) for p in points]
                 _, _, gain = _gain(rewards)

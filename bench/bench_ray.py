@@ -56,10 +56,8 @@ def run(ctx: BenchContext) -> list[Row]:
             times: dict[str, list[float]] = {"ray": [], "local": []}
             servers = {
                 "ray": LocalServer(ctx.path(f"ray-{label}"), env={
-                    "AJET_SWARM_LAUNCHER": "ray", "AJET_SWARM_RAY_ADDRESS": cluster.dashboard_url,
-                    "AJET_SWARM_WARM_STANDBY": "0"}),
-                "local": LocalServer(ctx.path(f"local-{label}"),
-                                     env={"AJET_SWARM_WARM_STANDBY": "0"}),
+                    "AJET_SWARM_LAUNCHER": "ray", "AJET_SWARM_RAY_ADDRESS": cluster.dashboard_url}),
+                "local": LocalServer(ctx.path(f"local-{label}")),
             }
             with servers["ray"] as ray_server, servers["local"] as local_server:
                 ray_client, ray_status = _rolling(ray_server, tree.root, ray_job)

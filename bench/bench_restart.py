@@ -30,7 +30,14 @@ from pathlib import Path
 from ajet.client import SwarmClient
 from ajet.protocol import EngineStatus
 from bench.context import BenchContext
-from bench.harness import LocalServer, child_env, rss_mb, tiny_job, wait_rolling_on
+from bench.harness import (
+    STANDBY_ON,
+    LocalServer,
+    child_env,
+    rss_mb,
+    tiny_job,
+    wait_rolling_on,
+)
 from bench.report import Row
 from bench.tree import BenchTree, edit_one_file, restore_tree
 
@@ -109,7 +116,8 @@ def run(ctx: BenchContext) -> list[Row]:
     floor: list[float] = []
     floor_rss: list[float] = []
     engine_rss: list[float] = []
-    with LocalServer(ctx.path("restart")) as server, server.client() as client:
+    # the warm standby on, as a server runs by default: the restart a user waits for
+    with LocalServer(ctx.path("restart"), env=STANDBY_ON) as server, server.client() as client:
         status = start_rolling(client, tree)
         model_dir = _tiny_dir(server.workdir)
         for i in range(ctx.reps):

@@ -20,7 +20,7 @@ import time
 import httpx
 
 from bench.context import BenchContext
-from bench.harness import CONTROL_TOKEN, WORKER_TOKEN, LocalServer, tiny_job
+from bench.harness import CONTROL_TOKEN, STANDBY_ON, WORKER_TOKEN, LocalServer, tiny_job
 from bench.report import Row
 from bench.soak import RunAccount, SoakConfig, SoakReport, SoakTarget, account, run_soak
 from bench.tree import make_tree
@@ -101,7 +101,7 @@ def run(ctx: BenchContext) -> list[Row]:
     tree = make_tree(ctx.path("soak-tree"), files=100, total_bytes=1_000_000)
     env = {"AJET_SWARM_HEADER_TIMEOUT_S": str(config.header_timeout_s),
            "AJET_SWARM_LOG_REGEX_TIMEOUT_S": "0.3", "AJET_SWARM_STOP_GRACE_S": "60",
-           "AJET_SWARM_WARM_STANDBY": "1"}
+           **STANDBY_ON}
     with LocalServer(ctx.path("soak"), env=env) as server, server.client() as client:
         client.push_code(tree.root)
         client.configure_and_start(tiny_job(batch_size=4, num_repeat=2, max_new_tokens=4,

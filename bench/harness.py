@@ -28,6 +28,8 @@ from ajet.protocol import EngineState, EngineStatus
 __all__ = [
     "CONTROL_TOKEN",
     "PROJECT_ROOT",
+    "STANDBY_OFF",
+    "STANDBY_ON",
     "WORKER_TOKEN",
     "LocalServer",
     "child_env",
@@ -60,6 +62,11 @@ def rss_mb(pid: int | None) -> float | None:
         return None
 
 
+#: The server's warm standby (swarm_server/standby_keeper.py), off and on.
+STANDBY_OFF = {"AJET_SWARM_WARM_STANDBY": "0"}
+STANDBY_ON = {"AJET_SWARM_WARM_STANDBY": "1"}
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without any `AJET_SWARM_*` setting, the project first on the path."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("AJET_SWARM_")}
@@ -76,7 +83,12 @@ def tiny_job(**overrides: Any) -> AgentJetJob:
 
 @dataclass
 class LocalServer:
-    """A `python -m swarm_server start` subprocess with a control and a worker token."""
+    """A `python -m swarm_server start` subprocess with a control and a worker token.
+
+    The warm standby is off unless `env` turns it on (`STANDBY_ON`): a standby imports
+    torch in the background as soon as an engine serves, which would take CPU from the
+    figure being measured; the restart module measures it on purpose.
+    """
 
     workdir: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -105,7 +117,7 @@ class LocalServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.port = self.port or free_port()
         env = child_env({"AJET_SWARM_TOKEN": CONTROL_TOKEN,
-                         "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN, **self.env})
+                         "AJET_SWARM_WORKER_TOKEN": WORKER_TOKEN, **STANDBY_OFF, **self.env})
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.module, "start", f"--swarm-port={self.port}",

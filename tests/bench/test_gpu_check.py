@@ -2,7 +2,12 @@
 fails when `nvidia-smi` lists GPUs torch cannot use, and its CPU smoke runs go through the
 same engine code (one process with LoRA and a KL term, FSDP2 over a one-rank gloo group,
 checkpoints saved and loaded, generation, the planner; `--ranks 2` on two gloo ranks)
-with pydantic, httpx and yaml unimportable from ajet, as on a bare GPU host."""
+with pydantic, httpx and yaml unimportable from ajet, as on a bare GPU host.
+
+The two runs of `--ranks 2` (torchrun, two gloo ranks: about 25 s of CPU) are marked
+`bench`, like the benchmark modules' smoke runs: `make bench-smoke` runs them, `make test`
+leaves them out. The engine's own ranks are tested through the server by
+tests/ajet/engine/test_distributed.py; these check the acceptance script's rank mode."""
 
 from __future__ import annotations
 
@@ -80,6 +85,7 @@ def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> 
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_two_gloo_ranks_generate_on_every_rank_around_each_update() -> None:
     result = _run(*SMOKE, "--ranks", "2", "--cycles", "1", "--requests", "4", "--grace", "3")
     out = result.stdout
@@ -92,6 +98,7 @@ def test_two_gloo_ranks_generate_on_every_rank_around_each_update() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_a_rank_whose_generation_is_held_back_during_the_wait_fails_the_check(
         tmp_path: Path) -> None:
     module = runpy.run_path(str(SCRIPT))

@@ -1,7 +1,8 @@
 """A sweep through the MCP bridge on a real server with the real engine (ajet-tiny on CPU,
-`--devices 2`): two named runs at once, rollouts to each by name, metrics per run,
-list_runs with both and their devices, compare_runs saying they ran side by side, a third
-run queued until one stops.
+`--devices 2`): two named runs at once, each on its own snapshot (two syncs of trees that
+differ by a line), rollouts to each by name, both training, metrics per run, list_runs
+with both and their devices, compare_runs saying they ran side by side, a third run queued
+until one stops.
 
 The bridge runs in process (`build_server` under the official MCP client); the stdio
 transport is covered by test_end_to_end.py, the tools' logic against a fake of the
@@ -84,17 +85,28 @@ async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Pat
         async with Client(build_server(bridge)) as client:
             await _call(client, "configure", experiment_name="mcp-sweep", batch_size=2,
                         num_repeat=2, max_new_tokens=8, max_response_length=8)
+            # two variants of the code: a snapshot each
+            snapshots = []
+            for variant in (1, 2):
+                rewards = repo / "ajet" / "engine" / "rewards.py"
+                rewards.write_text(rewards.read_text() + f"\nVARIANT = {variant}\n")
+                synced = await _call(client, "sync_train_code")
+                assert synced["status"] == "synced", synced["message"]
+                snapshots.append(synced["snapshot_id"])
+            assert snapshots[0] != snapshots[1]
             # both boot at once (wait_s=0: the tool returns while the run boots)
             a = await _call(client, "start_engine", name="lr-a", config={"lr": 0.01},
-                            wait_s=0)
+                            snapshot_id=snapshots[0], wait_s=0)
             b = await _call(client, "start_engine", name="lr-b", config={"lr": 0.05},
-                            wait_s=0)
+                            snapshot_id=snapshots[1], wait_s=0)
             for run in (a, b):
                 assert run["status"] in ("booting", "running"), run["message"]
                 assert len(run["devices"]) == 1
             assert set(a["devices"]).isdisjoint(b["devices"])
-            for name in ("lr-a", "lr-b"):
+            for name, snapshot in zip(("lr-a", "lr-b"), snapshots, strict=True):
                 await _wait_rolling(client, name)
+                status = await _call(client, "engine_status", run_id=name)
+                assert status["snapshot_id"] == snapshot, status
 
             listed = await _call(client, "list_runs", state="active")
             rows = {r["name"]: r for r in listed["runs"]}
