@@ -34,7 +34,7 @@ test: setup browser claude-cli
 # The edit loop: unit tests and the tests that run the server app or the engine's routes
 # in process, about a minute on two cores. Leaves out the `slow` tests and the modules
 # that start real server, engine, CLI or script processes (marked `process` by
-# tests/conftest.py); `make test` runs everything.
+# tests/conftest.py); `make test` runs everything but the `bench` tests.
 test-fast: setup
 	$(PY) -m pytest -q $(TEST_WORKERS) -m "not slow and not process and not bench"
 

@@ -16,12 +16,6 @@ from ajet.client import SwarmClient
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 from tests.support.factory import ServerFactory
 
-# One torch thread per process, read by torch when it loads (here and in every server,
-# engine and script the tests start): the workers and what they start share two cores,
-# and a thread per core in each process only adds contention. The engine sets its own
-# from the job (`cpu_threads`, 1 by default), as on a CPU host.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
 
 @pytest.fixture(scope="module")
 def server_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:

@@ -65,13 +65,15 @@ def _claim(swarm: SwarmClient, run: str, timeout: float = 30.0) -> BeginEpisodeR
             time.sleep(0.2)
 
 
-async def _wait_rolling(client: Client, run: str, timeout: float = 120.0) -> None:
+async def _wait_rolling(client: Client, run: str, timeout: float = 120.0) -> dict[str, Any]:
+    """The run's engine_status once it is ROLLING."""
     deadline = time.monotonic() + timeout
     while (status := await _call(client, "engine_status", run_id=run)
            )["engine_state"] != "ENGINE.ROLLING":
         assert status["last_error"] is None, status
         assert time.monotonic() < deadline, status
         await anyio.sleep(0.3)
+    return status
 
 
 async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Path,
@@ -87,8 +89,8 @@ async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Pat
                         num_repeat=2, max_new_tokens=8, max_response_length=8)
             # two variants of the code: a snapshot each
             snapshots = []
+            rewards = repo / "ajet" / "engine" / "rewards.py"
             for variant in (1, 2):
-                rewards = repo / "ajet" / "engine" / "rewards.py"
                 rewards.write_text(rewards.read_text() + f"\nVARIANT = {variant}\n")
                 synced = await _call(client, "sync_train_code")
                 assert synced["status"] == "synced", synced["message"]
@@ -104,8 +106,7 @@ async def test_a_sweep_of_two_runs_side_by_side_through_the_bridge(tmp_path: Pat
                 assert len(run["devices"]) == 1
             assert set(a["devices"]).isdisjoint(b["devices"])
             for name, snapshot in zip(("lr-a", "lr-b"), snapshots, strict=True):
-                await _wait_rolling(client, name)
-                status = await _call(client, "engine_status", run_id=name)
+                status = await _wait_rolling(client, name)
                 assert status["snapshot_id"] == snapshot, status
 
             listed = await _call(client, "list_runs", state="active")
