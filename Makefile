@@ -6,6 +6,12 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
+# Python's bytecode cache on for everything make runs, whatever the shell says: with
+# PYTHONDONTWRITEBYTECODE set, every server, engine, bridge and pytest worker compiles the
+# project's sources again, and pytest rewrites every test module and plugin in each
+# worker (about 100 s of CPU over `make test` on two cores; docs/testing.md).
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup browser claude-cli demo test test-fast bench bench-smoke bench-peers gpu-check clean
 
 setup: $(STAMP)
