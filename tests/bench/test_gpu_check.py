@@ -4,10 +4,15 @@ same engine code (one process with LoRA and a KL term, FSDP2 over a one-rank glo
 checkpoints saved and loaded, generation, the planner; `--ranks 2` on two gloo ranks)
 with pydantic, httpx and yaml unimportable from ajet, as on a bare GPU host.
 
-The two runs of `--ranks 2` (torchrun, two gloo ranks: about 25 s of CPU) are marked
-`bench`, like the benchmark modules' smoke runs: `make bench-smoke` runs them, `make test`
-leaves them out. The engine's own ranks are tested through the server by
-tests/ajet/engine/test_distributed.py; these check the acceptance script's rank mode."""
+The three smoke runs (the one-process run, about 14 s of CPU, and the two runs of
+`--ranks 2` under torchrun, about 25 s) are marked `bench`, like the benchmark modules'
+smoke runs: `make bench-smoke` runs them, `make test` leaves them out. They check the
+acceptance script; the engine code they drive has its own tests in `make test` (LoRA in
+tests/ajet/engine/test_learning.py, the KL term in test_algorithms.py, FSDP2 with
+activation checkpointing in test_distributed.py, the bf16 publication in
+test_publication.py, checkpoints in test_resume.py), and `make test` keeps the script's
+checks that need no engine (no GPU, a driver torch cannot use) and, at import level,
+that the engine modules the script imports need none of the client dependencies."""
 
 from __future__ import annotations
 
@@ -65,6 +70,7 @@ def test_without_a_gpu_it_says_so_and_exits_0() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_the_cpu_smoke_run_goes_to_the_end_without_the_client_dependencies() -> None:
     # in bf16, as on a GPU: LoRA's fp32 adapters on the one bf16 base, then FSDP2's
     # fp32 masters with the publication cast to bf16
@@ -113,6 +119,26 @@ def test_a_rank_whose_generation_is_held_back_during_the_wait_fails_the_check(
         capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300, env=env, check=False)
     assert result.returncode != 0, result.stdout + result.stderr
     assert "requests stalled on rank 1 (0 of 4 done)" in result.stdout, result.stdout
+
+
+#: The engine modules the script imports (some of them lazily, inside its phases).
+ENGINE_MODULES = ("ajet.engine.config", "ajet.engine.tiny", "ajet.engine.learner",
+                  "ajet.engine.generation.interface", "ajet.engine.runtime",
+                  "ajet.engine.generation.continuous_batching",
+                  "ajet.engine.generation.recompute", "ajet.engine.checkpoints",
+                  "ajet.engine.parallel.distributed", "ajet.engine.policy",
+                  "ajet.engine.planning.memory_plan", "ajet.engine.planning.peak_memory")
+
+
+def test_the_engine_modules_it_imports_need_no_client_dependency(tmp_path: Path) -> None:
+    """What the `bench` smoke run checks end to end, at import level for `make test`."""
+    script = tmp_path / "imports.py"
+    script.write_text("import importlib\n" + "".join(
+        f"importlib.import_module({name!r})\n" for name in ENGINE_MODULES) + "print('ok')\n")
+    result = subprocess.run([sys.executable, "-c", BLOCKED_RUN, str(script)],
+                            capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=120,
+                            check=False)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 def test_nvidia_smi_listing_gpus_torch_cannot_use_fails_the_check(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Rollout scripts in the style of AgentJet's tutorials, run as subprocesses against one
-real server with the ajet-tiny engine (shared by the module, warm standby on, short
+real server with the ajet-tiny engine (shared by the module, short
 back-offs through AJET_SWARM_BACKOFF_SCALE), then the original client's failure paths."""
 
 from __future__ import annotations

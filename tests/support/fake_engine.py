@@ -27,17 +27,18 @@ slots it was given (`devices: ...`, from `CUDA_VISIBLE_DEVICES` or
 from __future__ import annotations
 
 import argparse
+import http.server
 import json
 import os
 import signal
+import socketserver
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
-
-from starlette.requests import Request  # at module level: FastAPI resolves the annotation
 
 MODULE = "tests.support.fake_engine"
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -124,77 +125,99 @@ def main(argv: list[str] | None = None) -> int:
         step=points[-1]["step"] if points else 0,
         snapshot_id=folder_snapshot_id(Path(ajet_file).parent),
     )
-    server = _uvicorn_server(socket_path, report, args.run_id)
+    server = _plane_server(socket_path, report, args.run_id)
     if behaviour.get("exit_after_s") is not None:
         def _exit_later() -> None:
             print(f"fake engine exiting with code {exit_code}", flush=True)
             os._exit(exit_code)
         threading.Timer(float(behaviour["exit_after_s"]), _exit_later).start()
 
-    # uvicorn runs off the main thread (so it installs no signal handlers); the main
-    # thread turns SIGTERM into a clean shutdown, exit code 0, as the real engine does.
+    # the server runs off the main thread; the main thread turns SIGTERM into a clean
+    # shutdown, exit code 0, as the real engine does
     stop = threading.Event()
     if not behaviour.get("ignore_term"):
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    thread = threading.Thread(target=server.run, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     while not stop.wait(0.05):
         pass
-    server.should_exit = True
-    thread.join(timeout=5)
+    server.shutdown()
+    server.server_close()
     print("fake engine stopped cleanly", flush=True)
     return 0
 
 
-def _uvicorn_server(socket_path: Path, report: Any, run_id: str) -> Any:
-    import uuid
+class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
 
-    import uvicorn
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
 
-    app = FastAPI()
+def _plane_server(socket_path: Path, report: Any, run_id: str) -> _UnixHTTPServer:
+    """The status route and the minimal episode plane, on the standard library's HTTP
+    server: this process starts for almost every server test, and FastAPI with uvicorn
+    would cost each start about half a second of CPU."""
     live: set[str] = set()
 
-    @app.get("/status")
-    def status() -> Any:
-        return report.model_copy(update={"episodes_in_flight": len(live)})
+    def status(_: dict[str, Any], __: str) -> tuple[int, Any]:
+        return 200, report.model_copy(update={"episodes_in_flight": len(live)}
+                                      ).model_dump(mode="json")
 
-    @app.post("/begin_episode")
-    def begin() -> Any:
+    def begin(_: dict[str, Any], __: str) -> tuple[int, Any]:
         episode = uuid.uuid4().hex
         live.add(episode)
-        return {"episode_uuid": episode, "timeout_s": 600.0}
+        return 200, {"episode_uuid": episode, "timeout_s": 600.0}
 
-    @app.post("/end_episode")
-    async def end(request: Request) -> Any:
-        body = await request.json()
+    def end(body: dict[str, Any], _: str) -> tuple[int, Any]:
         if body["episode_uuid"] not in live:
-            return JSONResponse({"detail": f"episode {body['episode_uuid']} unknown to run "
-                                           f"{run_id}", "hint": "begin"}, status_code=404)
+            return 404, {"detail": f"episode {body['episode_uuid']} unknown to run {run_id}",
+                         "hint": "begin"}
         live.discard(body["episode_uuid"])
-        return {"episode_uuid": body["episode_uuid"], "accepted": True, "step": 0}
+        return 200, {"episode_uuid": body["episode_uuid"], "accepted": True, "step": 0}
 
-    @app.post("/abort_episode")
-    async def abort(request: Request) -> Any:
-        body = await request.json()
+    def abort(body: dict[str, Any], _: str) -> tuple[int, Any]:
         live.discard(body["episode_uuid"])
-        return {"episode_uuid": body["episode_uuid"], "requeued": True}
+        return 200, {"episode_uuid": body["episode_uuid"], "requeued": True}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        episode = request.headers.get("x-episode-uuid", "")
+    def chat(_: dict[str, Any], episode: str) -> tuple[int, Any]:
         if episode not in live:
-            return JSONResponse({"detail": f"episode {episode} unknown to run {run_id}"},
-                                status_code=404)
-        return {"id": "fake", "object": "chat.completion", "created": 0, "model": "fake",
-                "choices": [{"index": 0, "finish_reason": "stop",
-                             "message": {"role": "assistant", "content": f"run {run_id}"}}],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+            return 404, {"detail": f"episode {episode} unknown to run {run_id}"}
+        return 200, {"id": "fake", "object": "chat.completion", "created": 0, "model": "fake",
+                     "choices": [{"index": 0, "finish_reason": "stop",
+                                  "message": {"role": "assistant", "content": f"run {run_id}"}}],
+                     "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+
+    routes = {("GET", "/status"): status, ("POST", "/begin_episode"): begin,
+              ("POST", "/end_episode"): end, ("POST", "/abort_episode"): abort,
+              ("POST", "/v1/chat/completions"): chat}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as the server's client expects
+
+        def _answer(self) -> None:
+            length = int(self.headers.get("content-length") or 0)
+            raw = self.rfile.read(length) if length else b""
+            route = routes.get((self.command, self.path.split("?", 1)[0]))
+            if route is None:
+                code, body = 404, {"detail": "Not Found"}
+            else:
+                code, body = route(json.loads(raw) if raw else {},
+                                   self.headers.get("x-episode-uuid", ""))
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+        def address_string(self) -> str:  # a Unix socket has no client address
+            return "engine-socket"
+
+        def log_message(self, *_: Any) -> None:
+            pass
 
     socket_path.unlink(missing_ok=True)  # a stale socket file would make bind fail
-    return uvicorn.Server(uvicorn.Config(app, uds=str(socket_path), log_level="warning",
-                                         lifespan="off"))
+    return _UnixHTTPServer(str(socket_path), Handler)
 
 
 if __name__ == "__main__":

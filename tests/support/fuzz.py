@@ -37,7 +37,7 @@ CTL = {"Authorization": f"Bearer {CONTROL_TOKEN}"}
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_headers_conformance, response_schema_conformance]
 JOB = "experiment_name: fuzz\nlr: 0.01\n"
-EXAMPLES = 6
+EXAMPLES = 4
 #: Fewer examples where one costs a subprocess (config validation) or an engine restart.
 FEWER = {"POST /sync_train_config": 3, "POST /stop_engine": 2, "POST /start_engine": 3,
          "POST /runs": 3}
