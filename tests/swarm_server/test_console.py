@@ -39,7 +39,7 @@ from ajet.client import SwarmClient
 from ajet.copilot.job import AgentJetJob
 from ajet.errors import ApprovalPending
 from ajet.protocol import ApprovalState, EngineState
-from ajet.rollout import load_workflow, run_workflow
+from ajet.rollout import RolloutRunner, load_workflow
 from swarm_server.ledger import RunRecord
 from swarm_server.main import create_app
 from swarm_server.settings import Settings
@@ -181,12 +181,18 @@ def test_approve_in_the_browser_then_watch_the_reward_curve(
                                 EngineState.WEIGHT_SYNCING)
         assert status.snapshot_id == snapshot_id
         fn, tasks = load_workflow("examples/digits_workflow.py:workflow", PROJECT_ROOT)
-        run_workflow(c, fn, tasks, n_workers=2, num_repeat=2, max_episodes=8)
-        run_id = status.run_id
-        deadline = time.monotonic() + 120
-        while c.get_metrics(run_id or "current").total_steps < 2:
-            assert time.monotonic() < deadline, "no two steps of metrics"
-            time.sleep(0.5)
+        # episodes until two steps trained, not a fixed count: which task each worker
+        # draws decides how many groups a fixed count of episodes completes
+        runner = RolloutRunner(c, fn, tasks, n_workers=2, num_repeat=2)
+        runner.start()
+        try:
+            run_id = status.run_id
+            deadline = time.monotonic() + 120
+            while c.get_metrics(run_id or "current").total_steps < 2:
+                assert time.monotonic() < deadline, "no two steps of metrics"
+                time.sleep(0.5)
+        finally:
+            runner.stop()
 
     page.goto("/ui/runs")
     curve = page.locator(f"#chart polyline.curve[data-run='{run_id}']")
