@@ -45,7 +45,8 @@ test-fast: setup
 	$(PY) -m pytest -q $(TEST_WORKERS) -m "not slow and not process and not bench"
 
 # The `bench` tests: every benchmark module once with tiny counts, and the GPU check's
-# two-rank mode on CPU. Run it after changing bench/ or an API that bench/ calls.
+# smoke runs on CPU (one process, two ranks). Run it after changing bench/ or an API
+# that bench/ calls.
 bench-smoke: setup
 	$(PY) -m pytest -q $(TEST_WORKERS) -m bench tests/bench
 
