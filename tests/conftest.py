@@ -1,9 +1,8 @@
-"""Shared fixtures: swarm servers (`server_factory`: in process or subprocesses), temp git
-repos, and the tool-calling model of the end-to-end tool tests."""
+"""Shared fixtures: swarm servers (`server_factory`: in process or subprocesses) and temp git
+repos; the order and grouping of files across `make test`'s workers."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 from collections.abc import Iterator
@@ -12,9 +11,16 @@ from typing import Any
 
 import pytest
 
-from ajet.client import SwarmClient
 from tests.support import CONTROL_TOKEN, WORKER_TOKEN, ServerHandle, make_ajet_repo, start_server
 from tests.support.factory import ServerFactory
+
+# Every httpx client (SwarmClient, TestClient, the OpenAI and Anthropic SDKs, in this
+# process and in the servers, bridges and scripts it starts) builds an SSL context when
+# it is made, and reading a CA bundle file into it (SSL_CERT_FILE, else certifi's) costs
+# about 20 ms of CPU. The suite makes thousands of clients and speaks no TLS: a CA
+# directory is only read when a certificate is verified, which here is never.
+os.environ.pop("SSL_CERT_FILE", None)
+os.environ.setdefault("SSL_CERT_DIR", "/etc/ssl/certs")
 
 
 @pytest.fixture(scope="module")
@@ -50,49 +56,6 @@ def ajet_repo(tmp_path: Path) -> Path:
     return make_ajet_repo(tmp_path / "repo")
 
 
-@pytest.fixture(scope="session")
-def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """ajet-tiny fine-tuned to call get_weather (tests/support/tool_model.py), built once
-    per test run: under xdist the workers share it (about 20 s of CPU each otherwise)."""
-    from tests.support.tool_model import finetune_tool_model
-
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the run's folder, above every worker's own basetemp
-    target = root / "tool-model" / "ajet-tiny-tools"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # one worker builds it while the others wait; `finetune_tool_model` returns a
-    # finished one (its finetuned.json is written last) as it is
-    with open(target.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return finetune_tool_model(target)
-
-
-@pytest.fixture(scope="session")
-def tool_server(tool_model: Path, tmp_path_factory: pytest.TempPathFactory
-                ) -> Iterator[ServerHandle]:
-    """A token-protected server whose engine serves `tool_model` (tool-calling tests)."""
-    from tests.support import rolling_server
-    from tests.support.tool_model import tool_job
-
-    with rolling_server(tmp_path_factory.mktemp("tools"), tool_job(tool_model)) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="session")
-def tool_worker(tool_server: ServerHandle) -> Iterator[SwarmClient]:
-    with SwarmClient(tool_server.url, token=WORKER_TOKEN, timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="session")
-def tool_tokenizer(tool_model: Path) -> Any:
-    """The tool model's tokenizer, to render expected prompts in the test process."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tool_model)
-
-
 #: What a test module calls when it starts a real server, engine, CLI or script process:
 #: such modules are marked `process`, and `make test-fast` leaves them out. In-process
 #: servers (`server_factory(...)` without process=True) and the engines they start for a
@@ -120,3 +83,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("slow") is not None:
             slow_modules.add(path)
     items.sort(key=lambda item: item.path not in slow_modules)  # stable: order kept within
+
+
+#: Folders whose files `--dist loadfile` hands to one worker as one unit: they share a
+#: package-scoped fixture that costs an engine boot (tests/tool_agents: the tool model's
+#: server), which would otherwise start once on each worker.
+ONE_WORKER_FOLDERS = ("tests/tool_agents/",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class FoldersTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((folder for folder in ONE_WORKER_FOLDERS if path.startswith(folder)),
+                        path)
+
+    return FoldersTogether(config, log)

@@ -120,15 +120,16 @@ def start_server(workdir: Path, *, env: Mapping[str, str] | None = None, port: i
     handle = ServerHandle(f"http://127.0.0.1:{port}", port, workdir, proc, log_path,
                           dict(env or {}))
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"swarm server exited ({proc.returncode}):\n{handle.log()}")
-        try:
-            if httpx.get(f"{handle.url}/health", timeout=1.0).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
+    with httpx.Client(base_url=handle.url, timeout=1.0) as probe:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"swarm server exited ({proc.returncode}):\n{handle.log()}")
+            try:
+                if probe.get("/health").status_code == 200:
+                    return handle
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
     handle.stop()
     raise RuntimeError(f"swarm server not healthy after {timeout}s:\n{handle.log()}")
 
@@ -165,12 +166,12 @@ def wait_status(server: str | httpx.Client, *states: EngineState,
 
     `server` is a base URL or an `httpx.Client` on the server (a handle's `http`).
     """
+    if isinstance(server, str):
+        with httpx.Client(base_url=server, timeout=30) as http:
+            return wait_status(http, *states, headers=headers, timeout=timeout)
     deadline = time.monotonic() + timeout
     while True:
-        if isinstance(server, str):
-            answer = httpx.get(f"{server}/get_engine_status", headers=headers, timeout=30)
-        else:
-            answer = server.get("/get_engine_status", headers=headers)
+        answer = server.get("/get_engine_status", headers=headers)
         status = EngineStatus.model_validate(answer.json())
         if status.state in states:
             return status

@@ -6,7 +6,7 @@ gateway are the real ones; its gateway forwards over a real Unix socket to the e
 own channel app, which renders with ajet-tiny's tokenizer and template and answers from a
 scripted generator (`ScriptedGenerator`). The replies are scripted; everything between
 the SDK and the generator is production code. The real engine and model are in
-`test_messages_clients.py`.
+`tests/tool_agents/test_messages_clients.py`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from ajet.protocol import BeginEpisodeRequest, BeginEpisodeResponse, EngineState
 from swarm_server.main import create_app
 from swarm_server.settings import Settings
 from tests.support.engine import ScriptedGenerator
-from tests.swarm_server.claude_code import TOOL_NAMES, claude_code_body, claude_code_headers
+from tests.support.claude_code import TOOL_NAMES, claude_code_body, claude_code_headers
 
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 BASH_CALL = ('<tool_call>\n{"name": "Bash", "arguments": {"command": "pytest -q '

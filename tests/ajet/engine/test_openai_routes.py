@@ -5,7 +5,7 @@ ajet-tiny checkpoint's tokenizer and chat template, and the tool-call parsing. T
 is replaced by `ScriptedGenerator`, so each test says what the "model" answers and checks
 what the routes make of it: the rendered prompt, the reply's OpenAI shape, streaming,
 tool calls, refusals, and what is recorded for training. One end-to-end test with the
-real engine and a fine-tuned model stays in tests/swarm_server/test_tool_calling.py.
+real engine and a fine-tuned model stays in tests/tool_agents/test_tool_calling.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`/v1/messages` with the real clients against a real server and engine, and training.
 
-Same engine as the chat and Responses tests (the session's `tool_server`, ajet-tiny
+Same engine as the chat and Responses tests (this folder's `tool_server`, ajet-tiny
 fine-tuned to call `get_weather`), so tool calls are real model output: the official
 `anthropic` SDK (create, `messages.stream` and its final message, a `tool_result`
 follow-up, `count_tokens`, its error types) and LangChain's `ChatAnthropic` with

@@ -1,14 +1,13 @@
 """Tool-using agents end to end: the real clients, a real server, the real engine.
 
 The engine serves ajet-tiny fine-tuned to call `get_weather` (tests/support/tool_model.py,
-the session's `tool_server`), so every tool call here is real model output parsed by the
+this folder's `tool_server`), so every tool call here is real model output parsed by the
 engine, through both the chat completions and the Responses API. Each test ends exactly
 two episodes (batch_size=2, num_repeat=1: one training step per test) or aborts them, so a
 test can read its own metrics line. The chat and Responses routes themselves (rendering,
 parsing, streaming shapes, every refusal) are tested in process with a scripted generator
 (tests/ajet/engine/test_openai_routes.py, test_responses_routes.py); these tests are kept
-to what needs the real model, the frameworks and the server in front of the engine. One
-file, so one worker fine-tunes the model and boots its engine.
+to what needs the real model, the frameworks and the server in front of the engine.
 """
 
 from __future__ import annotations
@@ -240,7 +239,9 @@ def test_an_oversized_chat_is_refused_unread_and_a_big_one_never_stalls_another_
 
     thread = threading.Thread(target=send_big)
     thread.start()
-    time.sleep(0.5)  # the big body is in the engine
+    # the big body crosses loopback in milliseconds; its rendering and tokenising take
+    # about half a second even on a quick machine, so the small chat goes in soon after
+    time.sleep(0.1)
     reply = oai(small).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     order.append(f"small {reply.choices[0].finish_reason}")

@@ -1,8 +1,8 @@
 """Multi-turn agents trained as timelines, with the real clients against a real server.
 
-The session's `tool_server` (ajet-tiny fine-tuned to call `get_weather`, one training
+This folder's `tool_server` (ajet-tiny fine-tuned to call `get_weather`, one training
 step per two ended episodes) serves every test here, so no engine starts for this
-module. Each test runs two multi-turn episodes through a real client, ends them, and
+file. Each test runs two multi-turn episodes through a real client, ends them, and
 reads the step's samples back (`GET /runs/current/samples`, worker token): one sample
 per timeline, its trained tokens and their log-probs exactly the ones each call
 returned (`logprobs`), everything else masked out.
