@@ -241,3 +241,30 @@ def get_weather(city: str) -> str:
     """Get the weather of a city."""
     CALLS.append(city)
     return TOOL_RESULT
+
+
+def run_weather_agent(episode: BeginEpisodeResponse, *, responses: bool = False,
+                      model: str = "ajet") -> Any:
+    """openai-agents' `Runner` on an episode's endpoint, with `get_weather` as its function
+    tool, through the chat-completions model (or the Responses model); its run result.
+    Tracing is off: it would send traces, with the episode key, to OpenAI. `CALLS` holds
+    the cities the tool was called with in this run."""
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    client = openai.AsyncOpenAI(base_url=episode.openai_base_url,
+                                api_key=episode.openai_api_key, max_retries=0)
+    kind = OpenAIResponsesModel if responses else OpenAIChatCompletionsModel
+    agent = Agent(name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
+                  model=kind(model=model, openai_client=client),
+                  model_settings=ModelSettings(max_tokens=96))
+    CALLS.clear()
+    return Runner.run_sync(agent, WEATHER_QUESTION)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import openai
 import pytest
 
 from ajet.client import SwarmClient
@@ -29,6 +28,7 @@ from tests.support.tool_model import (
     last_step,
     next_step,
     oai,
+    run_weather_agent,
 )
 
 pytestmark = pytest.mark.slow
@@ -147,14 +147,6 @@ def test_openai_chat_and_responses_tool_loops_train_as_one_sample_each(
 
 def test_a_langchain_retry_that_drops_context_and_an_openai_agents_runner(
         tool_worker: SwarmClient, tool_tokenizer: Any) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
@@ -177,15 +169,8 @@ def test_a_langchain_retry_that_drops_context_and_an_openai_agents_runner(
     lc_calls = [cut, retry, final]
 
     # openai-agents: a Runner with a function tool, through its chat-completions model
-    set_tracing_disabled(True)
     ag = begin(tool_worker)
-    agent = Agent(
-        name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
-        model=OpenAIChatCompletionsModel(model="runner", openai_client=openai.AsyncOpenAI(
-            base_url=ag.openai_base_url, api_key=ag.openai_api_key, max_retries=0)),
-        model_settings=ModelSettings(max_tokens=96))
-    CALLS.clear()
-    result = Runner.run_sync(agent, WEATHER_QUESTION)
+    result = run_weather_agent(ag, model="runner")
     assert CALLS == ["Paris"] and result.final_output == WEATHER_ANSWER
 
     tool_worker.report_episode(lc.episode_uuid, "lc-retry", 1.0)

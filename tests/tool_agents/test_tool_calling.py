@@ -37,6 +37,7 @@ from tests.support.tool_model import (
     next_step,
     oai,
     rendered,
+    run_weather_agent,
 )
 
 pytestmark = pytest.mark.slow
@@ -163,14 +164,6 @@ def test_models_completions_and_error_shapes(tool_server: ServerHandle,
 def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
         tool_server: ServerHandle, tool_worker: SwarmClient,
         tool_tokenizer: Any) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIChatCompletionsModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
@@ -192,18 +185,9 @@ def test_langchain_bind_tools_and_openai_agents_run_a_tool_agent(
     answer = llm.invoke(history)
     assert answer.content == WEATHER_ANSWER and not answer.tool_calls
 
-    # openai-agents through its chat-completions model, with a function_tool; no tracing
-    # (it would send traces, with the episode key, to OpenAI)
-    set_tracing_disabled(True)
+    # openai-agents through its chat-completions model, with a function_tool
     agent_episode = begin(tool_worker)
-    agent = Agent(
-        name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
-        model=OpenAIChatCompletionsModel(model="ajet", openai_client=openai.AsyncOpenAI(
-            base_url=agent_episode.openai_base_url, api_key=agent_episode.openai_api_key,
-            max_retries=0)),
-        model_settings=ModelSettings(max_tokens=96))
-    CALLS.clear()
-    result = Runner.run_sync(agent, WEATHER_QUESTION)
+    result = run_weather_agent(agent_episode)
     assert CALLS == ["Paris"]  # the tool ran, on the model's call
     assert result.final_output == WEATHER_ANSWER
     first, second = (r.usage.input_tokens for r in result.raw_responses)
@@ -323,28 +307,12 @@ def test_responses_call_a_function_follow_up_stream_and_record_like_chat(
 
 def test_openai_agents_default_model_and_langchain_responses_run_a_tool_agent(
         tool_worker: SwarmClient) -> None:
-    from agents import (
-        Agent,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_openai import ChatOpenAI
 
     before = last_step(tool_worker)
-    set_tracing_disabled(True)  # else traces, with the episode key, go to OpenAI
     agent_episode = begin(tool_worker)
-    agent = Agent(
-        name="weather", instructions=SYSTEM, tools=[function_tool(get_weather)],
-        model=OpenAIResponsesModel(model="ajet", openai_client=openai.AsyncOpenAI(
-            base_url=agent_episode.openai_base_url, api_key=agent_episode.openai_api_key,
-            max_retries=0)),
-        model_settings=ModelSettings(max_tokens=96))
-    CALLS.clear()
-    result = Runner.run_sync(agent, WEATHER_QUESTION)
+    result = run_weather_agent(agent_episode, responses=True)
     assert CALLS == ["Paris"] and result.final_output == WEATHER_ANSWER
 
     lc_episode = begin(tool_worker)
