@@ -55,6 +55,11 @@ class PlaneApp:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
+    def last_ask(self) -> tuple[Any, ...]:
+        """What the last call asked the generator for: prompt, length, stop, sampling."""
+        r = self.generator.requests[-1]
+        return r.prompt_ids, r.max_new_tokens, r.stop, r.temperature, r.top_p
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
                ) -> list[int]:
         """The prompt ids the checkpoint's own chat template gives (what the model sees)."""

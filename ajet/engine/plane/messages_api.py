@@ -26,8 +26,9 @@ once it is parsed), `content_block_stop`, then `message_delta` (stop reason, usa
 
 What harnesses send besides (Claude Code: `thinking`, `context_management`,
 `output_config`, `cache_control` on blocks and tools, `metadata.user_id`) is accepted
-and has no effect; `max_tokens` above the run's `max_response_length` is served at that
-limit (the reply's `usage.max_tokens_clamped` and `ajet` field say so). What would change
+and has no effect (the first three are advisory: listed in the reply's `ajet.ignored`);
+`max_tokens` above the run's `max_response_length` is served at that limit (the reply's
+`usage.max_tokens_clamped` and `ajet` field say so). What would change
 the meaning of the request is refused with a 400 naming the field: image and document
 blocks, server tools (`web_search_...`, `bash_...`), `mcp_servers`, `container`, a final
 assistant turn (prefill), and `top_k` in an eval episode (the sampler has no top-k).
@@ -61,7 +62,12 @@ from ajet.engine.plane.openai_api import (
     reply_events,
     start_chat,
 )
-from ajet.engine.plane.request_policy import PlaneRequest, RequestBody, ToolChoice
+from ajet.engine.plane.request_policy import (
+    PlaneRequest,
+    RequestBody,
+    ToolChoice,
+    advisory_sent,
+)
 from ajet.engine.plane.serving import Generation
 
 __all__ = [
@@ -76,8 +82,9 @@ __all__ = [
 ]
 
 #: Honoured, or accepted with no effect (`thinking`, `context_management`, `output_config`:
-#: advisory; `metadata`, `service_tier` and `model` are in the shared ignored set).
-_ADVISORY = frozenset({"thinking", "context_management", "output_config"})
+#: advisory, listed in `ajet.ignored` (`request_policy.advisory_sent`); `metadata`,
+#: `service_tier` and `model` are in the shared ignored set).
+_ADVISORY = ("thinking", "context_management", "output_config")
 MESSAGES_PARAMS = frozenset({"messages", "system", "max_tokens", "stop_sequences", "stream",
                              "temperature", "top_p", "top_k", "tools", "tool_choice",
                              *_ADVISORY})
@@ -207,7 +214,8 @@ def messages_request(plane: EpisodePlane, body: MessagesRequest, *, episode_type
         messages=anthropic_messages_to_chat(body.system, body.messages), tools=tools,
         choice=choice, parallel=parallel, max_tokens=max_tokens,
         stop=_stop_sequences(body.stop_sequences), temperature=body.temperature,
-        top_p=body.top_p, ignored=ignored, notes=notes, agent=body.model or "")
+        top_p=body.top_p, ignored=(*ignored, *advisory_sent(body, _ADVISORY)), notes=notes,
+        agent=body.model or "")
 
 
 def _stop_sequences(stop: list[str] | None) -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from ajet.engine.plane.request_policy import (
     resolve_sampling,
     resolve_stop,
     resolve_tool_choice,
+    advisory_sent,
 )
 from ajet.engine.plane.serving import Generation, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane
@@ -75,9 +76,11 @@ __all__ = [
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
+#: Accepted with no effect, listed in `ajet.ignored` (`request_policy.advisory_sent`).
+CHAT_ADVISORY = ("reasoning_effort", "verbosity")
 CHAT_PARAMS = frozenset({"messages", "tools", "tool_choice", "parallel_tool_calls", "stream",
                          "stream_options", "max_tokens", "max_completion_tokens", "stop",
-                         "temperature", "top_p", "logprobs"})
+                         "temperature", "top_p", "logprobs", *CHAT_ADVISORY})
 #: `logprobs` is honoured at 0 only (alternatives are not computed): see the route
 COMPLETION_PARAMS = frozenset({"prompt", "stream", "stream_options", "max_tokens", "stop",
                                "temperature", "top_p"})
@@ -241,7 +244,7 @@ def chat_request(plane: EpisodePlane, body: ChatCompletionRequest) -> PlaneReque
         max_tokens=resolve_max_tokens(asked, param=param, default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
         stop=resolve_stop(body.stop), temperature=body.temperature, top_p=body.top_p,
-        agent=body.model or "")
+        ignored=advisory_sent(body, CHAT_ADVISORY), agent=body.model or "")
 
 
 def build_turn(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str,

@@ -1,6 +1,6 @@
 """OpenAI request bodies on the episode plane, and what of them the engine honours.
 
-Every parameter of a body is in one of four groups (`docs/api.md` has the table):
+Every parameter of a body is in one of five groups (`docs/api.md` has the table):
 
 - honoured: messages/prompt, tools, tool_choice, parallel_tool_calls, max_tokens (and
   `max_completion_tokens`, `max_output_tokens`) up to the run's `max_response_length`,
@@ -10,6 +10,8 @@ Every parameter of a body is in one of four groups (`docs/api.md` has the table)
   are what the update assumes, and the reply says so (`ajet.sampling`, `ajet.ignored`);
 - metadata, accepted and ignored: `model` (any name; the run's model answers), `user`,
   `metadata`, `store` (nothing is stored), `service_tier`, prompt-cache and safety ids;
+- advisory, accepted with no effect and listed in the reply's `ajet.ignored`: generation
+  hints the run's model has no setting for, which clients send by default (`advisory_sent`);
 - honoured only at their default value, else a 400 naming them: `n` (1), penalties (0),
   `logit_bias` ({}), `top_logprobs` (0: alternatives are not computed, whatever the
   generation backend), `seed` (unset: the run's seed drives sampling), `response_format`
@@ -45,10 +47,15 @@ __all__ = [
     "resolve_max_tokens",
     "resolve_sampling",
     "resolve_tool_choice",
+    "advisory_sent",
 ]
 
 
 # ---------------------------------------------------------------------------- bodies
+
+
+#: OpenAI's verbosity levels (advisory wherever it is accepted)
+Verbosity = Literal["low", "medium", "high"]
 
 
 class RequestBody(BaseModel):
@@ -102,6 +109,9 @@ class ChatCompletionRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     logprobs: bool | None = None
+    #: advisory (`advisory_sent`): any effort, as OpenAI's list of them grows
+    reasoning_effort: str | None = None
+    verbosity: Verbosity | None = None
 
 
 class CompletionRequest(RequestBody):
@@ -141,8 +151,6 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "modalities": ((["text"],), "only text is served"),
     "audio": ((), "only text is served"),
     "prediction": ((), "predicted outputs are not supported; drop it"),
-    "reasoning_effort": ((), "the run's model has no reasoning setting; drop it"),
-    "verbosity": ((), "the run's model has no verbosity setting; drop it"),
     "web_search_options": ((), "built-in web search is not available; give the agent a "
                                "function tool instead"),
     "functions": ((), "send tools=[{'type': 'function', 'function': {...}}] instead"),
@@ -170,6 +178,25 @@ def check_parameters(body: Mapping[str, Any], *, accepted: frozenset[str],
         raise SwarmValidationError(400, f"unknown parameter {name!r}",
                                    "remove it; docs/api.md lists what the episode plane accepts",
                                    param=name)
+
+
+def advisory_sent(body: BaseModel, names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of the advisory fields `names` the body sent (not null), for `ajet.ignored`.
+
+    Advisory: a generation hint (a reasoning effort, a verbosity, a thinking budget) that
+    the run's model has no setting for. Clients send them by default (openai-agents'
+    default model settings: `reasoning` and `verbosity` on every call), so refusing them
+    fails their plainest code, while serving the request without them changes nothing a
+    client can rely on; the reply lists them, so the caller can see they had no effect.
+    A dotted name is a field of an object (`text.verbosity`).
+    """
+    def value(name: str) -> Any:
+        node: Any = body
+        for part in name.split("."):
+            node = getattr(node, part, None)
+        return node
+
+    return tuple(name for name in names if value(name) is not None)
 
 
 def parse_body(raw: bytes, model: type[BaseModel], *, accepted: frozenset[str],

@@ -15,6 +15,11 @@ client asked for no limit, and agent frameworks (openai-agents) treat `incomplet
 fatal error, so a run's own reply budget would otherwise fail every run of a workflow
 that sets none. The cut is recorded for training either way (`finish_reason` `length`).
 
+`reasoning` (any effort or summary) and `text.verbosity` are advisory: the run's model has
+no such setting, so they have no effect and the reply lists them in `ajet.ignored`
+(openai-agents' default model settings send both on every call). `text.format` other
+than text would need constrained decoding, and is refused.
+
 Nothing is stored: `store` is accepted and the reply says `"store": false`; whatever needs
 a stored response or conversation (`previous_response_id`, `conversation`, item
 references, `background`, `prompt` templates) and the built-in tools (web and file search,
@@ -33,7 +38,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ajet.errors import SwarmValidationError
 from ajet.engine.plane.chat_format import ChatFormat, FormatError, ParsedReply, text_content
@@ -52,8 +57,10 @@ from ajet.engine.plane.openai_api import (
 from ajet.engine.plane.request_policy import (
     PlaneRequest,
     RequestBody,
+    Verbosity,
     resolve_max_tokens,
     resolve_tool_choice,
+    advisory_sent,
 )
 from ajet.engine.plane.serving import Generation
 from ajet.engine.plane.episode_plane import EpisodePlane
@@ -62,9 +69,12 @@ from ajet.protocol import PlanePath
 
 __all__ = ["ResponsesRequest", "responses_request", "responses_router", "responses_to_messages"]
 
+#: Accepted with no effect, listed in `ajet.ignored` (`request_policy.advisory_sent`).
+RESPONSES_ADVISORY = ("reasoning", "text.verbosity")
 RESPONSES_PARAMS = frozenset({"input", "instructions", "tools", "tool_choice",
                               "parallel_tool_calls", "max_output_tokens", "stream",
-                              "stream_options", "temperature", "top_p", "include"})
+                              "stream_options", "temperature", "top_p", "include", "text",
+                              "reasoning"})
 _STATE = "the episode plane is stateless: nothing is stored between calls"
 #: Parameters honoured at their default only (the shared table has the rest).
 _RESPONSES_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -74,13 +84,18 @@ _RESPONSES_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt": ((), "stored prompt templates need state; send instructions and input"),
     "max_tool_calls": ((), "drop it; the workflow decides when to stop calling tools"),
     "truncation": (("disabled",), "the prompt is never truncated; shorten the input"),
-    "text": (({"format": {"type": "text"}},), "constrained decoding is not supported; ask "
-                                              "for JSON in the instructions"),
-    "reasoning": ((), "the run's model has no reasoning setting; drop it"),
     "context_management": ((), f"{_STATE}; drop it"),
     "prompt_cache_options": ((), "drop it"),
 }
 _LOGPROBS = "message.output_text.logprobs"
+
+
+class ResponseText(RequestBody):
+    """`text`: the reply's format (text only: `_check_format`) and verbosity (advisory)."""
+
+    model_config = ConfigDict(extra="forbid")
+    format: dict[str, Any] | None = None
+    verbosity: Verbosity | None = None
 
 
 class ResponsesRequest(RequestBody):
@@ -95,6 +110,9 @@ class ResponsesRequest(RequestBody):
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     include: list[str] | None = None
+    text: ResponseText | None = None
+    #: advisory, whatever it holds (`effort`, `summary`, ...): no reasoning is produced
+    reasoning: dict[str, Any] | None = None
 
 
 def responses_router(plane: EpisodePlane) -> APIRouter:
@@ -137,6 +155,15 @@ def _check_include(include: list[str] | None) -> bool:
     return _LOGPROBS in (include or [])
 
 
+def _check_format(text: ResponseText | None) -> None:
+    form = text.format if text is not None else None
+    if form is not None and form != {"type": "text"}:
+        raise SwarmValidationError(
+            400, f"text.format={json.dumps(form)[:200]} is not supported on the episode "
+            "plane", "constrained decoding is not supported; ask for JSON in the "
+            "instructions", param="text.format")
+
+
 def _prepare(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, body: ResponsesRequest
              ) -> ChatTurn:
     return build_turn(plane, fmt, episode_uuid, responses_request(plane, body))
@@ -144,6 +171,7 @@ def _prepare(plane: EpisodePlane, fmt: ChatFormat, episode_uuid: str, body: Resp
 
 def responses_request(plane: EpisodePlane, body: ResponsesRequest) -> PlaneRequest:
     """A Responses body as the plane's request (input items as chat messages)."""
+    _check_format(body.text)
     tools = [_chat_tool(tool, i) for i, tool in enumerate(body.tools or [])]
     choice = resolve_tool_choice(body.tool_choice, [t["function"]["name"] for t in tools])
     cfg = plane.cfg
@@ -153,7 +181,8 @@ def responses_request(plane: EpisodePlane, body: ResponsesRequest) -> PlaneReque
         max_tokens=resolve_max_tokens(body.max_output_tokens, param="max_output_tokens",
                                       default=cfg.max_new_tokens,
                                       limit=cfg.max_response_length),
-        temperature=body.temperature, top_p=body.top_p, agent=body.model or "")
+        temperature=body.temperature, top_p=body.top_p,
+        ignored=advisory_sent(body, RESPONSES_ADVISORY), agent=body.model or "")
 
 
 def _chat_tool(tool: dict[str, Any], index: int) -> dict[str, Any]:

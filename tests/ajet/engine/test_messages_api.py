@@ -296,7 +296,9 @@ def test_advisory_fields_are_accepted_and_meaning_changes_refused(engine: Any) -
     base = {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
     ok = _post(client, uuid, {**base, **ACCEPTED_ADVISORY})
     assert ok.status_code == 200, ok.text
-    assert ok.json()["ajet"]["ignored"] == ["top_k"]  # training episodes sample as the run
+    # top_k: training episodes sample as the run; the rest is advisory
+    assert ok.json()["ajet"]["ignored"] == ["top_k", "thinking", "context_management",
+                                            "output_config"]
     for param, extra in REFUSED:
         body = {k: v for k, v in {**base, **extra}.items() if v is not None}
         r = _post(client, uuid, body)

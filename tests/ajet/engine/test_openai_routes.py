@@ -224,6 +224,26 @@ def test_defaults_are_accepted_and_an_eval_episode_samples_as_asked(plane: Plane
     end(plane, evaluation)
 
 
+def test_reasoning_effort_and_verbosity_are_advisory_served_as_without_them_and_listed(
+        plane: PlaneApp) -> None:
+    uuid = begin(plane)
+    plane.generator.say(*[WEATHER_ANSWER] * 3)
+    assert chat(plane, uuid).json()["ajet"]["ignored"] == []
+    asked = plane.last_ask()
+    # what openai-agents' default model settings send through its chat-completions model
+    reply = chat(plane, uuid, model="gpt-5.6-luna", reasoning_effort="none",
+                 verbosity="low").json()
+    assert reply["choices"][0]["message"]["content"] == WEATHER_ANSWER
+    assert reply["ajet"]["ignored"] == ["reasoning_effort", "verbosity"]
+    assert plane.last_ask() == asked  # no effect on what is generated
+    streamed = sse_events(chat(plane, uuid, stream=True, reasoning_effort="xhigh",
+                               verbosity="high").text)
+    assert streamed[-2]["ajet"]["ignored"] == ["reasoning_effort", "verbosity"]
+    bad = chat(plane, uuid, verbosity="loud")
+    assert bad.status_code == 422 and bad.json()["param"] == "verbosity"
+    assert len(recorded(plane, end(plane, uuid))) == 3
+
+
 def test_completions_take_text_or_token_ids_and_give_logprobs(plane: PlaneApp) -> None:
     uuid = begin(plane)
     headers = {"X-Episode-UUID": uuid}

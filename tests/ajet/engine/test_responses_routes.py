@@ -144,7 +144,9 @@ REFUSED: list[tuple[str, dict[str, Any]]] = [  # (the field named, the body)
     ("previous_response_id", {"previous_response_id": "resp_1"}),
     ("conversation", {"conversation": "conv_1"}),
     ("background", {"background": True}),
-    ("text", {"text": {"format": {"type": "json_object"}}}),
+    ("text.format", {"text": {"format": {"type": "json_object"}}}),
+    ("text.format", {"text": {"format": {"type": "json_schema", "name": "out", "schema": {}},
+                              "verbosity": "low"}}),
     ("include", {"include": ["file_search_call.results"]}),
     ("tools[0].type", {"tools": [{"type": "web_search"}]}),
     ("tools[0].type", {"tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}),
@@ -166,3 +168,36 @@ def test_what_needs_state_or_a_built_in_tool_is_a_400_naming_it(
     assert r.json()["hint"]
     assert len(plane.generator.requests) == before
     end(plane, uuid)
+
+
+#: what openai-agents' default model settings add to every call of an Agent with no model
+AGENTS_DEFAULTS: dict[str, Any] = {"model": "gpt-5.6-luna", "include": [], "tools": [],
+                                   "reasoning": {"effort": "none"},
+                                   "text": {"verbosity": "low"}}
+ADVISORY = ["reasoning", "text.verbosity"]
+
+
+def test_reasoning_and_verbosity_are_advisory_served_as_without_them_and_listed(
+        plane: PlaneApp) -> None:
+    uuid = begin(plane)
+    plane.generator.say(*[WEATHER_ANSWER] * 4)
+    plain = respond(plane, uuid, instructions="Answer briefly.").json()
+    assert plain["ajet"]["ignored"] == []
+    asked = plane.last_ask()
+    for extra in (AGENTS_DEFAULTS, {
+            "reasoning": {"effort": "xhigh", "summary": "detailed", "context": "all_turns"},
+            "text": {"format": {"type": "text"}, "verbosity": "high"}}):
+        reply = respond(plane, uuid, instructions="Answer briefly.", **extra).json()
+        assert reply["status"] == "completed", reply
+        assert reply["output"][0]["content"][0]["text"] == WEATHER_ANSWER
+        assert reply["ajet"]["ignored"] == ADVISORY
+        assert plane.last_ask() == asked  # no effect on what is generated
+    streamed = events(respond(plane, uuid, instructions="Answer briefly.", stream=True,
+                              **AGENTS_DEFAULTS).text)
+    assert streamed[-1][0] == "response.completed"
+    assert streamed[-1][1]["response"]["ajet"]["ignored"] == ADVISORY
+    for text, param in (({"verbosity": "loud"}, "text.verbosity"),
+                        ({"verbosity": "low", "stop": "x"}, "text.stop")):
+        r = respond(plane, uuid, text=text)
+        assert r.status_code == 422 and r.json()["param"] == param, r.json()
+    assert len(recorded(plane, end(plane, uuid))) == 4
