@@ -36,6 +36,7 @@ from ajet.engine.plane.chat_format import (
 )
 from ajet.engine.generation.interface import GenerationRequest, GenerationResult
 from ajet.engine.plane.request_policy import (
+    advisory_sent,
     ChatCompletionRequest,
     CompletionRequest,
     PlaneRequest,
@@ -46,7 +47,6 @@ from ajet.engine.plane.request_policy import (
     resolve_sampling,
     resolve_stop,
     resolve_tool_choice,
-    advisory_sent,
 )
 from ajet.engine.plane.serving import Generation, start_generation
 from ajet.engine.plane.episode_plane import EpisodePlane

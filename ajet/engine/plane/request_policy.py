@@ -42,12 +42,13 @@ __all__ = [
     "RequestBody",
     "Sampling",
     "ToolChoice",
+    "Verbosity",
+    "advisory_sent",
     "check_parameters",
     "parse_body",
     "resolve_max_tokens",
     "resolve_sampling",
     "resolve_tool_choice",
-    "advisory_sent",
 ]
 
 

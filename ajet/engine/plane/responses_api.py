@@ -55,12 +55,12 @@ from ajet.engine.plane.openai_api import (
     token_logprobs,
 )
 from ajet.engine.plane.request_policy import (
+    advisory_sent,
     PlaneRequest,
     RequestBody,
     Verbosity,
     resolve_max_tokens,
     resolve_tool_choice,
-    advisory_sent,
 )
 from ajet.engine.plane.serving import Generation
 from ajet.engine.plane.episode_plane import EpisodePlane
