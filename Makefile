@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 # second run). A fresh clone gains nothing measurable (docs/testing.md).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup browser claude-cli demo test test-fast bench bench-smoke bench-peers gpu-check clean
+.PHONY: setup browser claude-cli triton demo test test-fast bench bench-smoke bench-peers gpu-check clean
 
 setup: $(STAMP)
 
@@ -34,7 +34,7 @@ TEST_WORKERS := -n 2 --dist loadfile --no-loadscope-reorder
 
 # Everything but the `bench` smoke runs of the benchmark modules that start the engine:
 # those check the measuring code, not the product (`make bench-smoke`; docs/testing.md).
-test: setup browser claude-cli
+test: setup browser claude-cli triton
 	$(PY) -m pytest -q $(TEST_WORKERS) -m "not bench"
 
 # The edit loop: unit tests and the tests that run the server app or the engine's routes
@@ -47,7 +47,7 @@ test-fast: setup
 # The `bench` tests: every benchmark module once with tiny counts, and the GPU check's
 # smoke runs on CPU (one process, two ranks). Run it after changing bench/ or an API
 # that bench/ calls.
-bench-smoke: setup
+bench-smoke: setup triton
 	$(PY) -m pytest -q $(TEST_WORKERS) -m bench tests/bench
 
 # The console's browser tests drive Debian's chromium (Playwright cannot download its own
@@ -60,6 +60,16 @@ browser:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
 	    >/dev/null) || echo "make: chromium could not be installed; browser tests will skip"; \
 	else echo "make: no /usr/bin/chromium and no root apt-get; browser tests will skip"; fi
+
+# Triton for the paged decode kernel's interpreter tests, beside the environment and not in
+# it: with triton importable, torch and transformers import it into every engine process
+# (~0.1 s per boot and nanobind's leak report at each exit). Only the tests' interpreter
+# child puts .venv/triton on its path (tests/support/triton_env.py). Once, when pip can.
+triton: setup
+	@if [ -d $(VENV)/triton/triton ]; then :; \
+	else echo "make: installing triton for the decode kernel's tests (.venv/triton, once)"; \
+	  $(PIP) install --quiet --no-deps --target $(VENV)/triton 'triton>=3.2' >/dev/null 2>&1 \
+	    || echo "make: triton could not be installed; the kernel's tests will skip"; fi
 
 # The README's Claude Code lines are tried on the real `claude` CLI
 # (tests/test_readme_commands.py): installed once from the npm registry into .venv/claude

@@ -10,6 +10,8 @@ the other, with one torch thread, as the engine runs on CPU (`cpu_threads`):
 
 - `ContinuousBatchingGenerator` (`ajet/engine/generation/continuous_batching.py`): transformers'
   continuous batching with a paged KV cache, sized as the engine sizes it on CPU;
+- `PagedGenerator` (`ajet/engine/generation/paged.py`): the engine's own paged pool and
+  scheduler over the model's own forward (eager on CPU), the CPU default;
 - `RecomputeGenerator` (`ajet/engine/generation/recompute.py`): the first engine's loop, which
   recomputes every prefix for every token.
 
@@ -20,7 +22,8 @@ there it generates the first 8 of the 64 tokens only; its cost per token only gr
 the sequence, so its tokens/s is an upper bound and the ratio a lower bound.
 
 Time to first token: one request with a 256-token prompt on an idle generator, until
-its first token is sampled (`max_new_tokens=1`).
+its first token is sampled (`max_new_tokens=1`); each repetition a prompt of its own, so
+no backend finds it in its prefix cache.
 
 The generation runs in a child process (`python -m bench.bench_generation`), so that
 torch's thread setting and the models stay out of the benchmark process.
@@ -68,6 +71,8 @@ class GenerationFigures:
     kv_first_token_s: list[float]
     recompute_first_token_s: list[float]
     kv_cache_tokens: int | None
+    paged_tokens_per_s: list[float]
+    paged_first_token_s: list[float]
 
 
 class _NoText:
@@ -140,6 +145,7 @@ def measure_generation(*, reps: int, quick: bool) -> list[GenerationFigures]:
     import torch
 
     from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.generation.paged import PagedGenerator, PagedSettings
     from ajet.engine.generation.recompute import RecomputeGenerator
 
     torch.set_num_threads(1)
@@ -151,35 +157,45 @@ def measure_generation(*, reps: int, quick: bool) -> list[GenerationFigures]:
         rng = random.Random(0)
         vocab = policy.model.config.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
-        kv = ContinuousBatchingGenerator(
-            model_source=lambda policy=policy: policy.model, decode=policy.decode,
-            eos_ids=policy.eos_ids, max_positions=policy.max_positions, temperature=1.0,
-            top_p=1.0, seed=0, cache=CacheSettings(
-                max_request_tokens=prompt_len + new_tokens, concurrency=requests,
-                gpu_memory_utilization=0.85, cpu_kv_cache_mb=64, cpu_max_batch_tokens=256))
+        firsts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(reps)]
+        common = dict(model_source=lambda policy=policy: policy.model, decode=policy.decode,
+                      eos_ids=policy.eos_ids, max_positions=policy.max_positions,
+                      temperature=1.0, top_p=1.0, seed=0)
+        kv = ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+            max_request_tokens=prompt_len + new_tokens, concurrency=requests,
+            gpu_memory_utilization=0.85, cpu_kv_cache_mb=64, cpu_max_batch_tokens=256))
+        paged = PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+            max_request_tokens=prompt_len + new_tokens, concurrency=requests,
+            gpu_memory_utilization=0.85, cpu_kv_cache_mb=64, cpu_prefill_tokens=256))
         big = name == "qwen2-50m" and not quick
         kv_reps = min(reps, 3) if big else reps  # about 20 s each on the 50M model
-        kv.start()
-        try:
-            kv_tps = [_tokens_per_s(kv, prompts, new_tokens) for _ in range(kv_reps)]
-            kv_ttft = [_first_token_s(kv, prompts[0]) for _ in range(reps)]
-            cache_tokens = kv.stats()["kv_cache_tokens"]
-        finally:
-            kv.stop()
+        measured = {}
+        for label, generator in (("kv", kv), ("paged", paged)):
+            generator.start()
+            try:
+                measured[label] = (
+                    [_tokens_per_s(generator, prompts, new_tokens) for _ in range(kv_reps)],
+                    [_first_token_s(generator, first) for first in firsts])
+                if label == "kv":
+                    cache_tokens = generator.stats()["kv_cache_tokens"]
+            finally:
+                generator.stop()
         old_tokens = RECOMPUTE_TOKENS_50M if big else new_tokens
         old_reps = 1 if big else max(1, min(reps, 3))
         old = RecomputeGenerator(policy, temperature=1.0, top_p=1.0, max_batch=64, seed=0)
         old.start()
         try:
             old_tps = [_tokens_per_s(old, prompts, old_tokens) for _ in range(old_reps)]
-            old_ttft = [_first_token_s(old, prompts[0]) for _ in range(old_reps)]
+            old_ttft = [_first_token_s(old, first) for first in firsts[:old_reps]]
         finally:
             old.stop()
         figures.append(GenerationFigures(
             model=name, parameters=sum(p.numel() for p in policy.model.parameters()),
-            kv_tokens_per_s=kv_tps, recompute_tokens_per_s=old_tps,
-            recompute_new_tokens=old_tokens, kv_first_token_s=kv_ttft,
-            recompute_first_token_s=old_ttft, kv_cache_tokens=cache_tokens))
+            kv_tokens_per_s=measured["kv"][0], recompute_tokens_per_s=old_tps,
+            recompute_new_tokens=old_tokens, kv_first_token_s=measured["kv"][1],
+            recompute_first_token_s=old_ttft, kv_cache_tokens=cache_tokens,
+            paged_tokens_per_s=measured["paged"][0],
+            paged_first_token_s=measured["paged"][1]))
     return figures
 
 
@@ -207,6 +223,18 @@ def run(ctx: BenchContext) -> list[Row]:
             f"generation {f.model}: tokens/s, KV cache + continuous batching", kv, "tokens/s",
             "recompute every prefix", old, target=f">= {goal:.0f}x the reference",
             met=kv >= goal * old, rerun=RERUN, repetitions=len(f.kv_tokens_per_s), note=note))
+        paged = statistics.median(f.paged_tokens_per_s)
+        rows.append(Row(
+            f"generation {f.model}: tokens/s, paged backend (the CPU default)", paged,
+            "tokens/s", "transformers' continuous batching", kv,
+            target=">= 1x continuous batching (CPU default)", met=paged >= kv, rerun=RERUN,
+            repetitions=len(f.paged_tokens_per_s), note=f"{size}; {workload}"))
+        rows.append(Row(
+            f"generation {f.model}: time to first token, paged backend", 1000 *
+            statistics.median(f.paged_first_token_s), "ms", "transformers' continuous batching",
+            1000 * statistics.median(f.kv_first_token_s), rerun=RERUN,
+            repetitions=len(f.paged_first_token_s),
+            note=f"one request, {PROMPT_TOKENS}-token prompt"))
         first, first_old = (statistics.median(f.kv_first_token_s),
                             statistics.median(f.recompute_first_token_s))
         rows.append(Row(

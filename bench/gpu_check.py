@@ -336,14 +336,18 @@ def generate_all(generator: Any, prompts: list[list[int]], max_new: int, *,
 
 @contextlib.contextmanager
 def engine_generator(policy: Any, cfg: Any) -> Iterator[Any]:
-    """The engine's own generator, started: continuous batching over the paged KV cache,
-    sized by generation/kv_cache.py from the job (gpu_memory_utilization on the GPU)."""
+    """The engine's own generator, started: the KV-cached backend the config names (the
+    device's default: continuous batching on a GPU, the paged backend on a CPU), sized by
+    generation/kv_cache.py from the job (gpu_memory_utilization on the GPU)."""
     from ajet.engine.runtime import build_generator
 
     service = build_generator(cfg, policy)
-    if type(service).__name__ != "ContinuousBatchingGenerator":
+    expected = {"continuous_batching": "ContinuousBatchingGenerator",
+                "paged": "PagedGenerator"}.get(cfg.generation_backend)
+    if type(service).__name__ != expected:
         raise GPUCheckFailed(f"the engine generates with {type(service).__name__}, not the "
-                             "KV-cached continuous batching backend (AJET_ENGINE_GENERATION?)")
+                             f"KV-cached {cfg.generation_backend} backend its config names "
+                             "(AJET_ENGINE_GENERATION?)")
     service.start()
     try:
         yield service

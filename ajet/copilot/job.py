@@ -221,6 +221,13 @@ class AgentJetJob(BaseModel):
         description="GPU only: fraction of each GPU's memory the engine may hold while it "
                     "generates (weights, optimizer state, KV cache); the KV cache gets what is "
                     "left. As in the original AgentJet (vLLM's knob). Ignored on CPU")
+    generation_backend: Literal["auto", "paged", "continuous_batching", "recompute"] = Field(
+        default_factory=_d("generation_backend"),
+        description="How the engine generates: 'paged' (its own paged KV pool; CUDA graphs "
+                    "on a GPU), 'continuous_batching' (transformers' engine), 'recompute' (no "
+                    "KV cache: the slow reference); 'auto' = the engine's default for the "
+                    "device (ajet/engine/config.py, BackendDefaults). "
+                    "AJET_ENGINE_GENERATION on the engine's machine overrides it")
 
     # --- training at scale (LoRA, activation checkpointing, micro-batches);
     # --- the engine side is ajet/engine/config.py, docs/distributed.md

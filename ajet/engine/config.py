@@ -29,6 +29,7 @@ __all__ = [
     "describe",
     "engine_config_from_job",
     "episodes_in_flight",
+    "generation_backend",
 ]
 
 
@@ -41,9 +42,20 @@ class BackendDefaults:
     in_flight_factor: float = 1.0
     #: Most chat completions generated together (continuous batching).
     max_generation_batch: int = 64
-    #: Generation backend: "continuous_batching" (KV cache, transformers >= 5.17) or
-    #: "recompute" (no cache; the benchmark's reference). AJET_ENGINE_GENERATION overrides.
-    generation_backend: str = "continuous_batching"
+    #: Generation backend where the job says `generation_backend: auto`: "paged" (our
+    #: paged KV pool, generation/paged.py), "continuous_batching" (transformers' engine,
+    #: >= 5.17) or "recompute" (no cache; the reference). On CPU the paged backend is
+    #: token-exact against the reference and 1.5-2.5x transformers' throughput
+    #: (bench_generation); on GPUs it stays opt-in until a GPU run has measured it
+    #: (bench/gpu_generation.py). AJET_ENGINE_GENERATION overrides both.
+    cpu_generation_backend: str = "paged"
+    gpu_generation_backend: str = "continuous_batching"
+    #: Paged backend: capture the decode step in CUDA graphs (GPU only), and its decode
+    #: attention kernel ("auto": Triton on a GPU, else torch; "triton", "torch", "flex").
+    cuda_graphs: bool = True
+    paged_kernel: str = "auto"
+    #: Paged backend on GPU: prompt tokens per prefill forward pass.
+    gpu_prefill_tokens: int = 4096
     #: CPU KV cache: at most this much memory for the cache and its attention mask (GPU
     #: runs size it from the job's gpu_memory_utilization instead; ajet/engine/generation/kv_cache.py).
     cpu_kv_cache_mb: float = 64.0
@@ -123,7 +135,11 @@ class EngineConfig:
     cpu_threads: int
     max_in_flight: int
     max_generation_batch: int
+    #: "paged", "continuous_batching" or "recompute" (the job's, or the device's default)
     generation_backend: str
+    cuda_graphs: bool
+    paged_kernel: str
+    gpu_prefill_tokens: int
     cpu_kv_cache_mb: float
     cpu_max_batch_tokens: int
     prefix_sharing: bool
@@ -224,7 +240,10 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         cpu_threads=max(1, min(threads, cpu_count)),
         max_in_flight=episodes_in_flight(job, backend),
         max_generation_batch=backend.max_generation_batch,
-        generation_backend=backend.generation_backend,
+        generation_backend=generation_backend(job, backend, on_gpu=on_gpu),
+        cuda_graphs=backend.cuda_graphs,
+        paged_kernel=backend.paged_kernel,
+        gpu_prefill_tokens=backend.gpu_prefill_tokens,
         cpu_kv_cache_mb=backend.cpu_kv_cache_mb,
         cpu_max_batch_tokens=backend.cpu_max_batch_tokens,
         prefix_sharing=backend.prefix_sharing,
@@ -240,6 +259,15 @@ def engine_config_from_job(job: AgentJetJob, *, cuda_devices: int, cpu_count: in
         timeline_compare_level=job.timeline_compare_level,
         train_agents=tuple(job.train_agents),
     )
+
+
+def generation_backend(job: Any, backend: BackendDefaults, *, on_gpu: bool) -> str:
+    """The job's `generation_backend`, its `auto` being the device's default (a job object
+    without the field, as `bench/gpu_check.py` builds, means `auto`)."""
+    chosen = getattr(job, "generation_backend", "auto")
+    if chosen != "auto":
+        return str(chosen)
+    return backend.gpu_generation_backend if on_gpu else backend.cpu_generation_backend
 
 
 def describe(cfg: EngineConfig) -> dict[str, Any]:

@@ -210,8 +210,10 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
         ranks_code = dist.gather((ajet_file, code_id))
         device = f"cuda:{dist.local_rank}" if cfg.device == "cuda" else cfg.device
         policy = load_policy(model_path, device=device, dtype=cfg.dtype, seed=cfg.seed)
-        memory = PeakMemory(policy.device, planned_bytes=_log_memory_plan(job, policy.device)
-                            if dist.is_main else None)
+        # every rank plans (the paged pool's keep-or-release follows it); rank 0 logs it
+        memory_plan = _memory_plan(job, policy.device, log_it=dist.is_main)
+        memory = PeakMemory(policy.device, planned_bytes=memory_plan.comparable_bytes()
+                            if dist.is_main and memory_plan is not None else None)
         memory.mark_loaded(policy.model)  # CPU: the peak counts what training and generation add
         # every rank reads the same checkpoint, so every rank's shard is rank 0's
         learner = Learner(policy, cfg, dist)
@@ -221,7 +223,8 @@ def _run(args: argparse.Namespace, stop: threading.Event, *, rank: int,
         # collection short (transformers collects whenever the generator rebuilds its
         # KV cache, once a step; without this each takes ~0.2 s here).
         gc.freeze()
-        local = build_generator(cfg, policy, seed=generation_seed(cfg.seed, start_step))
+        local = build_generator(cfg, policy, seed=generation_seed(cfg.seed, start_step),
+                                keep_pool=memory_plan is None or memory_plan.pool_kept)
         local.start()
         routed, served = connect_ranks(local, dist, run_dir=run_dir)
         if plane is None or registry is None:  # ranks > 0: generate for rank 0, and
@@ -340,15 +343,20 @@ def start_trackers(job: AgentJetJob, run_dir: Path, *, run_id: str | None, workd
     return trackers
 
 
-def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = None
-                    ) -> Generator:
+def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = None,
+                    keep_pool: bool = True) -> Generator:
     """This rank's generator: the backend `generation_backend` (or the env) names.
 
     `bench/gpu_check.py` and `bench/memory_plan_probe.py` generate with it too, and the
     memory planner sizes the same KV cache (`kv_cache.generation_concurrency`). `seed`
-    (default the job's) moves on with the step in a resumed run."""
+    (default the job's) moves on with the step in a resumed run. `keep_pool`: the paged
+    backend keeps its pool across updates (the memory plan says whether it fits)."""
+    from ajet.engine.generation.kv_cache import generation_concurrency
+
     seed = cfg.seed if seed is None else seed
-    backend = os.environ.get("AJET_ENGINE_GENERATION", cfg.generation_backend)
+    backend = os.environ.get("AJET_ENGINE_GENERATION") or cfg.generation_backend
+    max_request_tokens = cfg.max_prompt_length + cfg.max_response_length
+    concurrency = generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight)
     if backend == "recompute":
         from ajet.engine.generation.recompute import RecomputeGenerator
 
@@ -356,26 +364,35 @@ def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = Non
                     "AJET_ENGINE_GENERATION=recompute")
         return RecomputeGenerator(policy, temperature=cfg.temperature, top_p=cfg.top_p,
                                   max_batch=cfg.max_generation_batch, seed=seed)
-    if backend != "continuous_batching":
-        raise ValueError(f"unknown generation backend {backend!r}; use continuous_batching "
-                         "or recompute (AJET_ENGINE_GENERATION / BackendDefaults)")
-    from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-    from ajet.engine.generation.kv_cache import generation_concurrency
+    common = dict(model_source=lambda: policy.model, decode=policy.decode,
+                  eos_ids=policy.eos_ids, max_positions=policy.max_positions,
+                  temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+    if backend == "paged":
+        from ajet.engine.generation.paged import PagedGenerator, PagedSettings
 
-    return ContinuousBatchingGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=cfg.temperature, top_p=cfg.top_p,
-        seed=seed, cache=CacheSettings(
-            max_request_tokens=cfg.max_prompt_length + cfg.max_response_length,
-            concurrency=generation_concurrency(cfg.max_generation_batch, cfg.max_in_flight),
+        return PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+            max_request_tokens=max_request_tokens, concurrency=concurrency,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
-            cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,
-            prefix_sharing=cfg.prefix_sharing))
+            cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_prefill_tokens=cfg.cpu_max_batch_tokens,
+            gpu_prefill_tokens=cfg.gpu_prefill_tokens, prefix_sharing=cfg.prefix_sharing,
+            cuda_graphs=cfg.cuda_graphs, kernel=cfg.paged_kernel, keep_pool=keep_pool))
+    if backend != "continuous_batching":
+        raise ValueError(f"unknown generation backend {backend!r}; use paged, "
+                         "continuous_batching or recompute (the job's generation_backend, "
+                         "or AJET_ENGINE_GENERATION)")
+    from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+
+    return ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+        max_request_tokens=max_request_tokens, concurrency=concurrency,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,
+        prefix_sharing=cfg.prefix_sharing))
 
 
-def _log_memory_plan(job: object, device: object) -> int | None:
-    """Log the memory planner's estimate for this job on this device; the bytes the
-    metrics' `peak_memory_mb` should come to (`planned_peak_mb`), or None."""
+def _memory_plan(job: object, device: object, *, log_it: bool) -> Any:
+    """The memory planner's `MemoryPlan` for this job on this device (logged where
+    `log_it`), or None where it has no estimate; its `comparable_bytes()` is what the
+    metrics' `peak_memory_mb` should come to (`planned_peak_mb`)."""
     import torch
 
     from ajet.engine.planning.memory_plan import Available, JobView, detect_available, plan_job
@@ -392,8 +409,7 @@ def _log_memory_plan(job: object, device: object) -> int | None:
     except ValueError as exc:  # an unusual config.json: the engine runs without a plan
         log.warning("memory plan: no estimate (%s)", exc)
         return None
-    if plan is None:
-        return None
-    log.log(logging.INFO if plan.fits else logging.WARNING, "%s\n%s", plan.summary(),
-            plan.render())
-    return plan.comparable_bytes()
+    if plan is not None and log_it:
+        log.log(logging.INFO if plan.fits else logging.WARNING, "%s\n%s", plan.summary(),
+                plan.render())
+    return plan

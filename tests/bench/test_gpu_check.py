@@ -133,10 +133,10 @@ def _ajet_imports(path: Path) -> list[str]:
 
 def test_the_engine_modules_it_imports_need_no_client_dependency(tmp_path: Path) -> None:
     """What the `bench` smoke run checks end to end, at import level for `make test`:
-    every ajet module the script imports, and the two generators `build_generator`
-    imports when the script calls it."""
+    every ajet module the script imports, and the generators `build_generator` imports
+    when the script calls it."""
     modules = [*_ajet_imports(SCRIPT), "ajet.engine.generation.continuous_batching",
-               "ajet.engine.generation.recompute"]
+               "ajet.engine.generation.paged", "ajet.engine.generation.recompute"]
     assert "ajet.engine.policy" in modules, modules
     script = tmp_path / "imports.py"
     script.write_text("import importlib\n" + "".join(

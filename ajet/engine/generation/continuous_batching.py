@@ -97,6 +97,9 @@ class CacheSettings:
     cpu_kv_cache_mb: float
     cpu_max_batch_tokens: int
     prefix_sharing: bool = True
+    #: transformers' own CUDA graphs for its step (None: transformers decides); the
+    #: GPU benchmark's A/B (bench/gpu_generation.py)
+    use_cuda_graph: bool | None = None
 
     def plan(self, model: torch.nn.Module) -> CachePlan:
         """The plan for `model`'s device, from the memory it has now."""
@@ -402,6 +405,8 @@ class ContinuousBatchingGenerator(Generator):
             max_requests_per_batch=plan.max_requests_per_batch,
             allow_block_sharing=self._cache.prefix_sharing, return_logprobs=True,
             per_request_processors=True,
+            **({} if self._cache.use_cuda_graph is None
+               else {"use_cuda_graph": self._cache.use_cuda_graph}),
             # a new seed per manager: one per step, so steps do not replay the same draws
             # (transformers adds the data-parallel rank, so ranks differ too)
             seed=self._seed + 7919 * self._epoch, **_page_size(ContinuousBatchingConfig,

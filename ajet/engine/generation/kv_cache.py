@@ -36,12 +36,17 @@ from typing import Any
 
 __all__ = [
     "GPU_MAX_BATCH_TOKENS",
+    "PAGED_CPU_PAGE_SIZE",
+    "PAGED_GPU_PAGE_SIZE",
     "CachePlan",
     "CacheTooSmall",
     "ModelGeometry",
+    "PoolPlan",
     "generation_concurrency",
+    "paged_working_bytes",
     "plan_cpu_cache",
     "plan_gpu_cache",
+    "plan_paged_pool",
 ]
 
 GiB = 1024**3
@@ -184,3 +189,123 @@ def plan_gpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tok
                      max_requests_per_batch=max(1, concurrency),
                      kv_bytes_per_token=kv, budget_bytes=budget,
                      max_request_tokens=max_request_tokens)
+
+
+# --------------------------------------------------------------------------- the paged pool
+
+#: Page size of the paged backend's pool (`paged.py`): the Triton decode kernel reads a
+#: page per iteration and needs at least 16 rows; a small page shares more of a prompt.
+PAGED_CPU_PAGE_SIZE = 16
+PAGED_GPU_PAGE_SIZE = 32
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The paged backend's KV pool: allocated once, with what it was sized for."""
+
+    device: str
+    geometry: ModelGeometry
+    page_size: int
+    #: pages requests may hold (the pool has one trash page more)
+    pages: int
+    kv_bytes_per_token: int
+    max_request_tokens: int
+    #: most requests decoding together: the largest CUDA graph bucket
+    max_batch: int
+    #: tokens per prefill forward pass
+    prefill_tokens: int
+    #: the budget the pool was sized within, and what it keeps aside for the step's
+    #: working tensors (graph pool, prefill scratch) on a GPU
+    budget_bytes: int
+    working_bytes: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return (self.pages + 1) * self.page_size * self.kv_bytes_per_token
+
+    def summary(self) -> str:
+        return (f"paged KV pool on {self.device}: {self.tokens} tokens in {self.pages} pages of "
+                f"{self.page_size} ({self.pool_bytes / MiB:.1f} MiB), up to {self.max_batch} "
+                f"requests per decode step, {self.prefill_tokens}-token prefill chunks"
+                + (f", {self.working_bytes / MiB:.0f} MiB kept for the step's working tensors"
+                   if self.working_bytes else ""))
+
+
+def plan_paged_pool(geometry: ModelGeometry, *, device: str, dtype_bytes: int,
+                    max_request_tokens: int, concurrency: int, budget_bytes: int,
+                    working_bytes: int, prefill_tokens: int, page_size: int) -> PoolPlan:
+    """The pool: what `concurrency` longest requests need, within `budget_bytes` less the
+    step's `working_bytes`, and never less than one such request.
+
+    On a GPU the budget is `gpu_memory_utilization` of the device less what is allocated
+    (as `plan_gpu_cache`); on a CPU it is `cpu_kv_cache_mb`. The pool needs no attention
+    mask, so unlike transformers' cache it costs only its keys and values. Raises
+    `CacheTooSmall` with the numbers when not even one request fits.
+    """
+    page = page_size
+    kv = geometry.kv_bytes_per_token(dtype_bytes)
+    one_request = _blocks(1, max_request_tokens, page)
+    affordable = (budget_bytes - working_bytes) // (kv * page) - 1  # less the trash page
+    if affordable < one_request:
+        raise CacheTooSmall(
+            f"the paged KV pool gets {max(budget_bytes - working_bytes, 0) / GiB:.2f} GiB "
+            f"({budget_bytes / GiB:.2f} GiB budget less {working_bytes / GiB:.2f} GiB for "
+            f"the decode and prefill working tensors), but one request of "
+            f"max_prompt_length + max_response_length = {max_request_tokens} tokens needs "
+            f"{(one_request + 1) * page * kv / GiB:.2f} GiB; raise gpu_memory_utilization "
+            "(GPU) or cpu_kv_cache_mb (CPU), or shorten max_prompt_length or "
+            "max_response_length")
+    pages = min(_blocks(concurrency, max_request_tokens, page), affordable)
+    return PoolPlan(device=device, geometry=geometry, page_size=page, pages=pages,
+                    kv_bytes_per_token=kv, max_request_tokens=max_request_tokens,
+                    max_batch=max(1, concurrency), prefill_tokens=prefill_tokens,
+                    budget_bytes=budget_bytes, working_bytes=working_bytes)
+
+
+#: Bytes per (row, vocabulary id) of the decode step's sampling: the logits in the compute
+#: dtype and in fp32, the scaled logits, their log-softmax, the noise's int64 hash rounds
+#: and its floats; with top-p the sort's values and order, the cumulative mass and the
+#: scatter back (sampling.py).
+_SAMPLING_BYTES_PER_LOGIT = 4 * 5 + 8 * 3
+_TRUNCATION_BYTES_PER_LOGIT = 4 * 4 + 8 + 1
+
+
+def paged_working_bytes(config: Any, *, dtype_bytes: int, max_batch: int,
+                        prefill_tokens: int, max_request_tokens: int, page_size: int,
+                        gathered: bool) -> int:
+    """What the paged backend's steps hold besides weights and pool: the larger of the
+    decode step at `max_batch` rows (its CUDA graph pool) and a prefill chunk.
+
+    Decode: sampling over the vocabulary for every row (the larger, top-p family), one
+    layer's activations, and the attention's scratch: the split-KV partials of the
+    Triton kernel, or with `gathered` (the torch kernel) every row's keys and values
+    gathered to the longest request. Prefill: one layer's activations for the chunk,
+    the keys and values of one request's whole context gathered, and the output head on
+    the rows it samples. `config` is a `PretrainedConfig` or a `config.json` dict.
+    """
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    if get("text_config"):
+        config = get("text_config")
+        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    geometry = ModelGeometry.from_config(config)
+    hidden, vocab = int(get("hidden_size")), int(get("vocab_size"))
+    heads = int(get("num_attention_heads"))
+    intermediate = int(get("intermediate_size") or 4 * hidden)
+    a = dtype_bytes
+    per_token = a * (4 * hidden + 3 * intermediate
+                     + (heads + 2 * geometry.kv_heads) * geometry.head_dim)
+    context = -(-max_request_tokens // page_size) * page_size
+    kv_read = 2 * geometry.kv_heads * geometry.head_dim * a
+    per_row = vocab * (_SAMPLING_BYTES_PER_LOGIT + _TRUNCATION_BYTES_PER_LOGIT)
+    sampling = max_batch * per_row
+    splits = max(1, context // page_size)
+    attention = (max_batch * context * kv_read if gathered
+                 else max_batch * heads * min(splits, 64) * (geometry.head_dim + 2) * 4)
+    decode = sampling + max_batch * per_token + attention
+    prefill = (prefill_tokens * per_token + context * kv_read
+               + min(prefill_tokens, max_batch) * per_row)
+    return int(max(decode, prefill))

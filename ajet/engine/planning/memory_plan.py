@@ -55,14 +55,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ajet.engine.config import BackendDefaults, episodes_in_flight
+from ajet.engine.config import BackendDefaults, episodes_in_flight, generation_backend
 from ajet.engine.generation.kv_cache import (
+    PAGED_CPU_PAGE_SIZE,
+    PAGED_GPU_PAGE_SIZE,
     CachePlan,
     CacheTooSmall,
     ModelGeometry,
+    PoolPlan,
     generation_concurrency,
+    paged_working_bytes,
     plan_cpu_cache,
     plan_gpu_cache,
+    plan_paged_pool,
 )
 from ajet.engine.tiny import TINY_MODEL_NAME, TinySpec, tiny_vocab_size
 
@@ -319,6 +324,7 @@ class JobView:
     mini_batch_num: int = 1
     gpu_memory_gb: float = 80.0
     async_save: bool | str = "auto"
+    generation_backend: str = "auto"
     #: FSDP2 even with one rank (`bench/gpu_check.py`); None: the engine's rule, FSDP2
     #: exactly when there are several ranks
     fsdp: bool | None = None
@@ -504,6 +510,10 @@ class MemoryPlan:
     #: request (`cache_error` then says why, in kv_cache's words)
     cache: CachePlan | None = None
     cache_error: str | None = None
+    #: the paged backend's pool instead (`kv_cache.plan_paged_pool`), and whether it stays
+    #: allocated across updates (it does where it fits beside the update's peak)
+    pool: PoolPlan | None = None
+    pool_kept: bool = True
     fixes: list[Fix] = field(default_factory=list)
     #: GPU jobs: host memory per node (the busiest node, rank 0's), and what a node has
     host_terms: list[Term] = field(default_factory=list)
@@ -616,6 +626,9 @@ class MemoryPlan:
             lines.append(f"  {'= ' + phase:<{width}}  {_size(self.phase_bytes(phase)):>10}{mark}")
         if self.cache is not None:
             lines.append(self.cache.summary())
+        if self.pool is not None:
+            lines.append(self.pool.summary() + ("; kept across updates" if self.pool_kept
+                                                else "; released for every update"))
         if self.cache_error is not None:
             lines.append(f"KV cache: {self.cache_error}")
         short = self.peak_bytes - self.available.bytes
@@ -663,7 +676,8 @@ class MemoryPlan:
             "peak_gib": round(self.peak_bytes / GiB, 3),
             "available_gib": round(self.available.bytes / GiB, 3),
             "available_source": self.available.source,
-            "kv_cache_tokens": self.cache.tokens if self.cache is not None else None,
+            "kv_cache_tokens": (self.cache.tokens if self.cache is not None else
+                                self.pool.tokens if self.pool is not None else None),
             "kv_cache_error": self.cache_error,
             "host_gib": round(self.host_bytes / GiB, 3) if self.host_terms else None,
             "host_available_gib": round(self.host_available.bytes / GiB, 3)
@@ -871,6 +885,9 @@ def _add_generation_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
                              head_dim=shape.head_dim)
     concurrency = generation_concurrency(backend.max_generation_batch,
                                          episodes_in_flight(job, backend))
+    if generation_backend(job, backend, on_gpu=job.on_gpu) == "paged":
+        _add_paged_pool_terms(plan, compute, backend, geometry, concurrency)
+        return
     if job.on_gpu:
         used = plan.phase_bytes("generation")  # before the cache: all of it is allocated
         try:
@@ -902,6 +919,57 @@ def _add_generation_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
     batch = cache.max_batch_tokens or _CB_DEFAULT_BATCH_TOKENS
     plan.terms.append(Term(f"decoding pass ({batch}-token forwards: attention mask, "
                            "keys and values read)", working, "transient", ("generation",)))
+    if not job.on_gpu:
+        plan.terms.append(Term("torch kernels for decoding (CPU)", _CPU_DECODING_RUNTIME,
+                               "runtime", ("generation",)))
+
+
+def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaults,
+                          geometry: ModelGeometry, concurrency: int) -> None:
+    """The paged backend (`generation/paged.py`): its pool, sized by the same call the
+    generator makes (`kv_cache.plan_paged_pool`), and its steps' working tensors (the CUDA
+    graph pool and the prefill scratch: `kv_cache.paged_working_bytes`); no attention
+    mask. On a GPU the pool and the graphs stay allocated across updates when they fit
+    beside the update's peak (then they count in every training phase), else they are
+    released for each update and count while generating only."""
+    job, shape = plan.job, plan.shape
+    prefill = backend.gpu_prefill_tokens if job.on_gpu else backend.cpu_max_batch_tokens
+    page_size = PAGED_GPU_PAGE_SIZE if job.on_gpu else PAGED_CPU_PAGE_SIZE
+    working = paged_working_bytes(
+        {"hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
+         "intermediate_size": shape.intermediate_size, "num_hidden_layers": shape.layers,
+         "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
+         "head_dim": shape.head_dim},
+        dtype_bytes=compute, max_batch=concurrency, prefill_tokens=prefill,
+        max_request_tokens=job.sample_tokens, page_size=page_size,
+        gathered=not job.on_gpu or backend.paged_kernel == "torch")
+    if job.on_gpu:  # as the generator: the budget less what is allocated, less the steps
+        budget = int(job.gpu_memory_utilization * plan.available.bytes) - plan.phase_bytes(
+            "generation")
+        reserved = working
+    else:
+        budget, reserved = int(backend.cpu_kv_cache_mb * MiB), 0
+    try:
+        pool = plan_paged_pool(geometry, device="cuda" if job.on_gpu else "cpu",
+                               dtype_bytes=compute, max_request_tokens=job.sample_tokens,
+                               concurrency=concurrency, budget_bytes=budget,
+                               working_bytes=reserved, prefill_tokens=prefill,
+                               page_size=page_size)
+    except CacheTooSmall as exc:
+        plan.cache_error = str(exc)
+        plan.terms.append(Term("KV cache: one request, at least", 2 * job.sample_tokens
+                               * geometry.kv_bytes_per_token(compute), "transient",
+                               ("generation",)))
+        return
+    plan.pool = pool
+    update_peak = max(plan.phase_bytes(p) for p in _TRAINING if p != "generation")
+    plan.pool_kept = (not job.on_gpu
+                      or update_peak + pool.pool_bytes + working <= plan.available.bytes)
+    phases = _TRAINING if plan.pool_kept else ("generation",)
+    plan.terms.append(Term(f"paged KV pool ({pool.tokens} tokens, pages of {page_size})",
+                           pool.pool_bytes, "transient", phases))
+    plan.terms.append(Term("paged decode step (CUDA graph pool) or prefill chunk", working,
+                           "transient", phases))
     if not job.on_gpu:
         plan.terms.append(Term("torch kernels for decoding (CPU)", _CPU_DECODING_RUNTIME,
                                "runtime", ("generation",)))

@@ -1,9 +1,10 @@
-"""The KV-cached generator on ajet-tiny: log-probs, streaming, stop, cancel, fresh weights.
+"""The KV-cached generators on ajet-tiny: log-probs, streaming, stop, cancel, fresh weights.
 
-Real parts: the tiny checkpoint built locally, transformers' continuous-batching engine
-behind `ContinuousBatchingGenerator`, the engine's own learner for the update. One
-generator is shared by the module's tests (building the KV cache takes milliseconds, but
-loading the model does not).
+The `Generator` contract, for each KV-cached backend: transformers' continuous-batching
+engine (`ContinuousBatchingGenerator`) and the paged backend (`PagedGenerator`). Real
+parts: the tiny checkpoint built locally, the engine's own learner for the update. One
+generator per backend is shared by the module's tests (building the KV cache takes
+milliseconds, but loading the model does not).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from ajet.engine.generation.interface import (
     GenerationRefused,
     GenerationRequest,
     GenerationResult,
+    Generator,
     ReplyText,
 )
+from ajet.engine.generation.paged import PagedGenerator, PagedSettings
 from ajet.engine.learner import Learner, TrainSample
 from ajet.engine.policy import Policy, load_policy, score_responses
 from ajet.engine.tiny import ensure_tiny_model
@@ -61,20 +64,39 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Policy:
     return load_policy(path, device="cpu", dtype="float32", seed=0)
 
 
-@pytest.fixture(scope="module")
-def generator(policy: Policy) -> Iterator[ContinuousBatchingGenerator]:
+BACKENDS = ("continuous_batching", "paged")
+
+
+def make_generator(backend: str, policy: Policy, *, temperature: float,
+                   max_request_tokens: int, concurrency: int, cache_mb: float,
+                   batch_tokens: int) -> Generator:
+    """A generator of `backend` on the policy's model, its cache sized by the arguments."""
+    common = dict(model_source=lambda: policy.model, decode=policy.decode,
+                  eos_ids=policy.eos_ids, max_positions=policy.max_positions,
+                  temperature=temperature, top_p=1.0, seed=0)
+    if backend == "paged":
+        return PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+            max_request_tokens=max_request_tokens, concurrency=concurrency,
+            gpu_memory_utilization=0.9, cpu_kv_cache_mb=cache_mb,
+            cpu_prefill_tokens=batch_tokens))
+    return ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+        max_request_tokens=max_request_tokens, concurrency=concurrency,
+        gpu_memory_utilization=0.9, cpu_kv_cache_mb=cache_mb,
+        cpu_max_batch_tokens=batch_tokens))
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def generator(request: pytest.FixtureRequest, policy: Policy) -> Iterator[Generator]:
     gc.freeze()  # as the engine does: cache rebuilds stay cheap
-    gen = ContinuousBatchingGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=TEMPERATURE, top_p=1.0, seed=0,
-        cache=CacheSettings(max_request_tokens=512, concurrency=16, gpu_memory_utilization=0.9,
-                            cpu_kv_cache_mb=32, cpu_max_batch_tokens=256))
+    gen = make_generator(request.param, policy, temperature=TEMPERATURE,
+                         max_request_tokens=512, concurrency=16, cache_mb=32,
+                         batch_tokens=256)
     gen.start()
     yield gen
     gen.stop()
 
 
-def ask(gen: ContinuousBatchingGenerator, prompt: list[int], *, stream: bool = False,
+def ask(gen: Generator, prompt: list[int], *, stream: bool = False,
         **fields: object) -> tuple[Reply, object]:
     reply = Reply()
     request = GenerationRequest(prompt_ids=prompt, max_new_tokens=int(fields.pop("n", 12)),
@@ -88,7 +110,7 @@ def prompt_of(policy: Policy, text: str) -> list[int]:
     return policy.render_chat([{"role": "user", "content": text}])
 
 
-def scored(policy: Policy, generator: ContinuousBatchingGenerator, result: GenerationResult,
+def scored(policy: Policy, generator: Generator, result: GenerationResult,
            temperature: float = TEMPERATURE) -> list[float]:
     """The training side's log-probs of `result`. The generator is paused meanwhile: the
     model must never run in two threads at once (transformers < 5.24 even switches its
@@ -101,7 +123,7 @@ def scored(policy: Policy, generator: ContinuousBatchingGenerator, result: Gener
 
 
 def test_concurrent_replies_carry_the_training_log_probs(
-        policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+        policy: Policy, generator: Generator) -> None:
     prompts = [prompt_of(policy, "x" * n) for n in (1, 40, 7, 90, 3, 64, 12, 25)]
     asked = [ask(generator, p, n=10 + i) for i, p in enumerate(prompts)]
     results = [reply.result() for reply, _ in asked]
@@ -116,7 +138,7 @@ def test_concurrent_replies_carry_the_training_log_probs(
 
 
 def test_streamed_deltas_make_the_text_and_a_stop_string_ends_the_reply(
-        policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+        policy: Policy, generator: Generator) -> None:
     reply, _ = ask(generator, prompt_of(policy, "stream"), stream=True, n=24)
     result = reply.result()
     assert "".join(reply.deltas) == result.text and result.text
@@ -132,7 +154,7 @@ def test_streamed_deltas_make_the_text_and_a_stop_string_ends_the_reply(
     assert len(result.response_ids) < 200
 
 
-def test_cancel_and_refusals(policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+def test_cancel_and_refusals(policy: Policy, generator: Generator) -> None:
     reply, handle = ask(generator, prompt_of(policy, "long"), n=400)
     handle.cancel()  # type: ignore[attr-defined]
     assert reply.done.wait(10) and isinstance(reply.outcome, GenerationCancelled)
@@ -141,11 +163,9 @@ def test_cancel_and_refusals(policy: Policy, generator: ContinuousBatchingGenera
         ask(generator, [5] * policy.max_positions, n=10)
     with pytest.raises(GenerationRefused, match="empty"):
         ask(generator, [], n=10)
-    small = ContinuousBatchingGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=1.0, top_p=1.0, seed=0,
-        cache=CacheSettings(max_request_tokens=64, concurrency=1, gpu_memory_utilization=0.9,
-                            cpu_kv_cache_mb=1, cpu_max_batch_tokens=64))
+    backend = "paged" if isinstance(generator, PagedGenerator) else "continuous_batching"
+    small = make_generator(backend, policy, temperature=1.0, max_request_tokens=64,
+                           concurrency=1, cache_mb=1, batch_tokens=64)
     generator.pause()  # one generator runs the model at a time
     small.start()
     try:
@@ -162,7 +182,7 @@ def test_cancel_and_refusals(policy: Policy, generator: ContinuousBatchingGenera
 
 
 def test_a_request_may_set_its_own_temperature(
-        policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+        policy: Policy, generator: Generator) -> None:
     prompt = prompt_of(policy, "greedy")
     greedy = [ask(generator, prompt, n=8, temperature=0.0)[0] for _ in range(2)]
     a, b = (r.result() for r in greedy)
@@ -176,7 +196,7 @@ def test_a_request_may_set_its_own_temperature(
 
 
 def test_requests_wait_while_paused_and_start_after_resume(
-        policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+        policy: Policy, generator: Generator) -> None:
     generator.pause()
     try:
         reply, _ = ask(generator, prompt_of(policy, "later"), n=4)
@@ -201,7 +221,7 @@ def test_requests_wait_while_paused_and_start_after_resume(
 
 
 def test_after_an_update_no_kv_from_the_old_weights_is_reused(
-        policy: Policy, generator: ContinuousBatchingGenerator) -> None:
+        policy: Policy, generator: Generator) -> None:
     """GRPO groups repeat prompts: the repeat after an update is scored by the new weights."""
     # longer than a few 32-token pages, so prefix sharing has whole blocks to reuse
     prompt = prompt_of(policy, "the same task prompt, repeated by every episode " * 3)

@@ -217,7 +217,8 @@ def test_the_kv_cache_terms_are_what_the_engines_generator_allocates(
         return footprints[-1]
 
     monkeypatch.setattr(PagedAttentionMemoryHandler, "compute_memory_footprint", recorded)
-    job = AgentJetJob(max_prompt_length=200, max_response_length=56)
+    job = AgentJetJob(max_prompt_length=200, max_response_length=56,
+                      generation_backend="continuous_batching")
     cfg = engine_config_from_job(job, cuda_devices=0, cpu_count=1)
     policy = load_policy(ensure_tiny_model(tmp_path, seed=0), device="cpu", dtype="float32",
                          seed=0)
@@ -234,6 +235,33 @@ def test_the_kv_cache_terms_are_what_the_engines_generator_allocates(
     assert len(cache_terms) == 2 and footprints
     assert abs(sum(cache_terms) - footprints[-1]) <= 0.02 * footprints[-1], (
         cache_terms, footprints)
+
+
+def test_the_paged_pool_is_the_one_the_engines_paged_generator_allocates(
+        tmp_path: Path) -> None:
+    """The CPU default backend: the planner's pool is the generator's (same
+    `kv_cache.plan_paged_pool` call), with no attention mask, kept across updates."""
+    from ajet.engine.runtime import build_generator
+
+    job = AgentJetJob(max_prompt_length=200, max_response_length=56)
+    cfg = engine_config_from_job(job, cuda_devices=0, cpu_count=1)
+    assert cfg.generation_backend == "paged"
+    policy = load_policy(ensure_tiny_model(tmp_path, seed=0), device="cpu", dtype="float32",
+                         seed=0)
+    generator = build_generator(cfg, policy)
+    generator.start()
+    try:
+        stats = generator.stats()
+    finally:
+        generator.stop()
+    plan = plan_memory(JobView.from_job(job), ModelShape.tiny(), H100)
+    assert plan.pool is not None and plan.cache is None and plan.pool_kept
+    assert stats["backend"] == "paged" and stats["kv_cache_tokens"] == plan.pool.tokens
+    assert stats["pool_bytes"] == plan.pool.pool_bytes
+    terms = {t.name: t for t in plan.terms}
+    pool_term = terms[f"paged KV pool ({plan.pool.tokens} tokens, pages of 16)"]
+    assert pool_term.bytes == plan.pool.pool_bytes and "backward" in pool_term.phases
+    assert not any("attention mask" in name for name in terms)
 
 
 def test_smaller_changes_are_offered_when_they_fit() -> None:
