@@ -131,6 +131,8 @@ class _Live:
     prompt_len: int
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    #: `pages` as a page-table row for the decode step (built once, at admission)
+    table: torch.Tensor | None = None
     #: tokens whose keys and values are in the pool
     computed: int = 0
     #: chain keys of its whole pages so far (prefix sharing), and how many of its
@@ -194,7 +196,6 @@ class PagedGenerator(Generator):
 
     def start(self) -> None:
         model = self._model_source()
-        _check_supported(model)
         plan = self._settings.plan(model)
         log.info("%s: %s", self._name, plan.summary())
         self._runner = PagedRunner(model, plan, kernel=self._settings.kernel,
@@ -315,6 +316,7 @@ class PagedGenerator(Generator):
         del live.tokens[live.prompt_len:]
         live.logprobs.clear()
         live.pages, live.keys, live.computed, live.marked = [], [], 0, 0
+        live.table = None
         if live.reply is not None:
             live.reply = ReplyText(self._decode, live.request.stop)
 
@@ -322,6 +324,8 @@ class PagedGenerator(Generator):
 
     def _serve(self) -> None:
         """The scheduler thread: rounds until stopped."""
+        assert self._runner is not None
+        self._runner.bind_thread()
         while True:
             with self._cond:
                 while not self._closing and (self._paused or not (self._waiting
@@ -395,6 +399,7 @@ class PagedGenerator(Generator):
                 break
             self._pages.hold(shared)
             live.pages = shared + pages
+            live.table = self._runner.table_row(live.pages)
             live.keys = keys
             live.computed = len(shared) * page_size
             live.marked = len(shared)
@@ -436,7 +441,8 @@ class PagedGenerator(Generator):
             self.counters["prefill_tokens"] += sum(len(row.tokens) for _, row in prefill)
         if decoding:
             rows = [DecodeRow(token=live.tokens[-1], position=len(live.tokens) - 1,
-                              pages=live.pages, sampling=live.sampling) for live in decoding]
+                              pages=live.pages, table=live.table,  # type: ignore[arg-type]
+                              sampling=live.sampling) for live in decoding]
             sampled_decode = self._runner.decode(rows)
             drawn += [(live, 1, out) for live, out in zip(decoding, sampled_decode,
                                                            strict=True)]
@@ -502,16 +508,3 @@ def _seeded(sampling: Sampling, seed: int, index: int) -> Sampling:
     """The request's own noise seed: the generator's seed and its admission number."""
     mixed = (seed * 1_000_003 + index * 7_919 + 12_345) & 0x7FFFFFFF
     return dataclasses.replace(sampling, seed=mixed, counter=0)
-
-
-def _check_supported(model: torch.nn.Module) -> None:
-    """Refuse a model the paged attention cannot serve, with the alternative."""
-    config: Any = model.config
-    config = getattr(config, "text_config", None) or config
-    sliding = getattr(config, "use_sliding_window", False) and getattr(
-        config, "sliding_window", None)
-    if sliding or "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        raise RuntimeError(
-            f"the paged generation backend does not serve sliding-window attention "
-            f"({type(model).__name__}); set generation_backend: continuous_batching in the "
-            "job (or AJET_ENGINE_GENERATION=continuous_batching)")

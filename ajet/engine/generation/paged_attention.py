@@ -19,6 +19,11 @@ values into the pool (`slots`, one flat slot per token), then reads:
 - prefill (chunks of prompts): one SDPA call per request over its pages so far, causal
   within the chunk (`prefill_attention`); prefill runs eagerly, outside CUDA graphs.
 
+Sliding-window layers (transformers passes the layer's `sliding_window`) read only the
+last `window` tokens, as transformers' own mask has it: position q sees keys k with
+q - window < k <= q. The Triton kernel has no window, so such layers decode with the
+torch kernel; their pages are kept whole (a window saves no memory here).
+
 Shapes: pool tensors are (pages, page_size, kv_heads, head_dim) per layer, in the
 compute dtype; one page (the last) is the trash page that padding rows write to and
 read from, so a CUDA graph's padding never touches a real request's pages.
@@ -157,11 +162,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_pool, v_pool = batch.pool.k[layer], batch.pool.v[layer]
     _write(k_pool, v_pool, batch.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     q = query[0].transpose(0, 1)  # (N, H, D)
+    window = kwargs.get("sliding_window")
     if batch.segments is None:
+        kernel = "torch" if window and batch.kernel == "triton" else batch.kernel
         out = decode_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens,
-                               scale, kernel=batch.kernel)
+                               scale, kernel=kernel, window=window)
     else:
-        out = prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.segments, scale)
+        out = prefill_attention(q, k_pool, v_pool, batch.block_tables, batch.segments, scale,
+                                window=window)
     return out.unsqueeze(0), None  # (1, N, H, D)
 
 
@@ -175,15 +183,17 @@ def _write(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
 
 def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     *, kernel: str = "torch") -> torch.Tensor:
+                     *, kernel: str = "torch", window: int | None = None) -> torch.Tensor:
     """One query token per request over its pages: q (B, H, D) -> (B, H, D)."""
-    if kernel == "triton":
+    if kernel == "triton" and not window:
         from ajet.engine.generation.triton_decode import paged_decode
 
         return paged_decode(q, k_pool, v_pool, block_tables, context_lens, scale)
     if kernel == "flex":
-        return decode_attention_flex(q, k_pool, v_pool, block_tables, context_lens, scale)
-    return decode_attention_torch(q, k_pool, v_pool, block_tables, context_lens, scale)
+        return decode_attention_flex(q, k_pool, v_pool, block_tables, context_lens, scale,
+                                     window=window)
+    return decode_attention_torch(q, k_pool, v_pool, block_tables, context_lens, scale,
+                                  window=window)
 
 
 def _gather(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
@@ -196,11 +206,14 @@ def _gather(pool: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 def decode_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, *, window: int | None = None) -> torch.Tensor:
     """The reference decode: gather the pages, SDPA with a length mask (any device)."""
     k, v = _gather(k_pool, block_tables), _gather(v_pool, block_tables)  # (B, KvH, L, D)
     positions = torch.arange(k.shape[2], device=q.device)
-    readable = positions[None, :] < context_lens[:, None].to(positions.dtype)  # (B, L)
+    lengths = context_lens[:, None].to(positions.dtype)
+    readable = positions[None, :] < lengths  # (B, L)
+    if window:  # the query is at length - 1: it sees keys after length - 1 - window
+        readable &= positions[None, :] >= lengths - window
     out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v.to(q.dtype),
                                          attn_mask=readable[:, None, None, :], scale=scale,
                                          enable_gqa=True)  # (B, H, 1, D)
@@ -209,16 +222,18 @@ def decode_attention_torch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
 def decode_attention_flex(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           block_tables: torch.Tensor, context_lens: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float, *, window: int | None = None) -> torch.Tensor:
     """The same decode through FlexAttention (a cross-check of the other two)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     k, v = _gather(k_pool, block_tables), _gather(v_pool, block_tables)  # (B, KvH, L, D)
     lengths = context_lens.to(torch.int64)
+    oldest = lengths - window if window else torch.zeros_like(lengths)
 
     def within_context(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
                        q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        return torch.where(kv_idx < lengths[b], score, -float("inf"))
+        seen = (kv_idx < lengths[b]) & (kv_idx >= oldest[b])
+        return torch.where(seen, score, -float("inf"))
 
     out = flex_attention(q.unsqueeze(2), k, v.to(q.dtype), score_mod=within_context,
                          scale=scale, enable_gqa=True)
@@ -227,11 +242,12 @@ def decode_attention_flex(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                       block_tables: torch.Tensor, segments: tuple[Segment, ...],
-                      scale: float) -> torch.Tensor:
+                      scale: float, *, window: int | None = None) -> torch.Tensor:
     """Each request's chunk over its pages so far, causal: q (N, H, D) -> (N, H, D).
 
     A chunk of `n` queries over `c` readable tokens sees its cached prefix whole and
-    itself causally: query i (position c - n + i) reads keys 0 .. c - n + i.
+    itself causally: query i (position c - n + i) reads keys 0 .. c - n + i (with a
+    window, only the last `window` of them).
     """
     out = torch.empty_like(q)
     page_size = k_pool.shape[1]
@@ -240,13 +256,23 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
         k = k_pool.index_select(0, pages).flatten(0, 1)[:seg.context_len]  # (c, KvH, D)
         v = v_pool.index_select(0, pages).flatten(0, 1)[:seg.context_len]
         chunk = q[seg.query_start:seg.query_start + seg.query_len]  # (n, H, D)
-        causal = seg.context_len == seg.query_len
-        mask = None if causal else torch.ones(
-            seg.query_len, seg.context_len, dtype=torch.bool, device=q.device
-        ).tril(seg.context_len - seg.query_len)
+        causal = seg.context_len == seg.query_len and not window
+        mask = None if causal else _prefill_mask(seg.query_len, seg.context_len, window,
+                                                 q.device)
         att = F.scaled_dot_product_attention(
             chunk.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0).to(q.dtype),
             v.transpose(0, 1).unsqueeze(0).to(q.dtype), attn_mask=mask, is_causal=causal,
             scale=scale, enable_gqa=True)  # (1, H, n, D)
         out[seg.query_start:seg.query_start + seg.query_len] = att[0].transpose(0, 1)
     return out
+
+
+def _prefill_mask(queries: int, keys: int, window: int | None, device: torch.device
+                  ) -> torch.Tensor:
+    """(queries, keys) bool: the last `queries` positions of `keys`, causal (windowed)."""
+    ones = torch.ones(queries, keys, dtype=torch.bool, device=device)
+    offset = keys - queries
+    mask = ones.tril(offset)
+    if window:
+        mask &= ~ones.tril(offset - window)
+    return mask

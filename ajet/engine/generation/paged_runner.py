@@ -81,6 +81,9 @@ class DecodeRow:
     token: int
     position: int
     pages: Sequence[int]
+    #: `pages` as the (max_pages,) int32 page-table row (`PagedRunner.table_row`): a
+    #: request's pages never change while it runs, so the row is built once
+    table: torch.Tensor
     sampling: Sampling
 
 
@@ -106,30 +109,27 @@ class DecodeSlab:
         self.rows, self.max_pages = rows, max_pages
         self.size = len(self.FIELDS) * rows + rows * max_pages
 
-    def pack(self, rows: Sequence[DecodeRow], *, page_size: int, trash_page: int
+    def pack(self, rows: Sequence[DecodeRow], *, page_size: int, trash_row: torch.Tensor
              ) -> torch.Tensor:
-        """The host slab for `rows`, padded to `self.rows` with trash-page rows."""
+        """The host slab for `rows`, padded to `self.rows` with rows of the trash page
+        (`trash_row`: a table row of it)."""
         pad = self.rows - len(rows)
-        slots, tables = [], []
-        for row in rows:
-            slots.append(row.pages[row.position // page_size] * page_size
-                         + row.position % page_size)
-            tables.extend(row.pages[:self.max_pages])
-            tables.extend([trash_page] * (self.max_pages - min(len(row.pages),
-                                                                self.max_pages)))
-        floats = torch.tensor([[r.sampling.temperature for r in rows] + [1.0] * pad,
-                               [r.sampling.top_p for r in rows] + [1.0] * pad],
-                              dtype=torch.float32).view(torch.int32).reshape(-1).tolist()
-        values = ([r.token for r in rows] + [0] * pad,
-                  [r.position for r in rows] + [0] * pad,
-                  slots + [trash_page * page_size] * pad,
-                  [r.position + 1 for r in rows] + [1] * pad,
-                  [r.sampling.seed for r in rows] + [0] * pad,
-                  [r.sampling.counter for r in rows] + [0] * pad,
-                  [r.sampling.top_k for r in rows] + [0] * pad)
-        flat = list(itertools.chain(*values, floats, tables, [trash_page] * (
-            pad * self.max_pages)))
-        return torch.tensor(flat, dtype=torch.int32)
+        trash = int(trash_row[0])
+        ints = torch.tensor(
+            [r.token for r in rows] + [0] * pad
+            + [r.position for r in rows] + [0] * pad
+            + [r.pages[r.position // page_size] * page_size + r.position % page_size
+               for r in rows] + [trash * page_size] * pad
+            + [r.position + 1 for r in rows] + [1] * pad
+            + [r.sampling.seed for r in rows] + [0] * pad
+            + [r.sampling.counter for r in rows] + [0] * pad
+            + [r.sampling.top_k for r in rows] + [0] * pad, dtype=torch.int32)
+        floats = torch.tensor([r.sampling.temperature for r in rows] + [1.0] * pad
+                              + [r.sampling.top_p for r in rows] + [1.0] * pad,
+                              dtype=torch.float32).view(torch.int32)
+        tables = torch.stack([r.table[:self.max_pages] for r in rows]
+                             + [trash_row[:self.max_pages]] * pad)  # (B, max_pages)
+        return torch.cat([ints, floats, tables.reshape(-1)])
 
     def unpack(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of a (device) slab, by field name, plus "tables" (B, max_pages)."""
@@ -146,6 +146,9 @@ class _Graph:
     graph: Any
     slab: torch.Tensor  # the static input the replay reads
     out: torch.Tensor  # the static output it writes
+    #: pinned host buffers of both: the copies in and out are asynchronous
+    host_slab: torch.Tensor
+    host_out: torch.Tensor
 
 
 class PagedRunner:
@@ -165,6 +168,7 @@ class PagedRunner:
         self._graphs: dict[tuple[int, bool], _Graph] = {}
         self._graph_pool: Any = None
         self._addresses: tuple[int, ...] = ()
+        self._trash_row = self.table_row(())
         self.captures = 0
         self.capture_s = 0.0
         self.graph_pool_bytes = 0
@@ -205,6 +209,18 @@ class PagedRunner:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
         pool = (self.pool.k.data_ptr(),) if self.pool is not None else ()
         return (*pool, *(t.data_ptr() for t in tensors))
+
+    def bind_thread(self) -> None:
+        """Make the runner's device current in the calling thread: Triton launches and
+        graph captures go to the current device, and a new thread's is device 0."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def table_row(self, pages: Sequence[int]) -> torch.Tensor:
+        """A request's (max_pages,) int32 page-table row, the trash page past its end."""
+        trash = self.plan.pages  # the pool's last page (KVPool.trash_page)
+        row = list(pages[:self.max_pages]) + [trash] * (self.max_pages - len(pages))
+        return torch.tensor(row, dtype=torch.int32)
 
     # ------------------------------------------------------------------ steps
 
@@ -251,14 +267,17 @@ class PagedRunner:
             graph = self._graph(bucket, truncate)
             if graph is not None:
                 slab = DecodeSlab(bucket, self.max_pages)
-                graph.slab.copy_(slab.pack(rows, page_size=self.pool.page_size,
-                                           trash_page=self.pool.trash_page).pin_memory(),
-                                 non_blocking=True)
+                graph.host_slab.copy_(slab.pack(rows, page_size=self.pool.page_size,
+                                                trash_row=self._trash_row))
+                graph.slab.copy_(graph.host_slab, non_blocking=True)  # the one copy in
                 graph.graph.replay()
-                out = graph.out.to("cpu")  # waits for the replay
-                return _pairs(out, len(rows))
-        slab = DecodeSlab(len(rows), max(len(r.pages) for r in rows))
-        host = slab.pack(rows, page_size=self.pool.page_size, trash_page=self.pool.trash_page)
+                graph.host_out.copy_(graph.out, non_blocking=True)  # the one copy out
+                torch.cuda.current_stream(self.device).synchronize()
+                return _pairs(graph.host_out, len(rows))
+        # eagerly, the batch's own widest context (pages reserved for later tokens unread)
+        page_size = self.pool.page_size
+        slab = DecodeSlab(len(rows), max(r.position // page_size + 1 for r in rows))
+        host = slab.pack(rows, page_size=page_size, trash_row=self._trash_row)
         out = self._decode_step(host.to(self.device), slab, truncate).to("cpu")
         return _pairs(out, len(rows))
 
@@ -332,11 +351,13 @@ class PagedRunner:
 
     def _capture(self, rows: int, truncate: bool) -> _Graph:
         assert self.pool is not None
+        self.bind_thread()
         began = time.monotonic()
         reserved = torch.cuda.memory_reserved(self.device)
         slab = DecodeSlab(rows, self.max_pages)
-        static = slab.pack([], page_size=self.pool.page_size,  # all padding rows
-                           trash_page=self.pool.trash_page).to(self.device)
+        host = slab.pack([], page_size=self.pool.page_size,  # all padding rows
+                         trash_row=self._trash_row)
+        static = host.to(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: lazy initialisation happens outside capture
@@ -353,7 +374,8 @@ class PagedRunner:
         self.captures += 1
         self.capture_s += time.monotonic() - began
         self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
-        return _Graph(graph=graph, slab=static, out=out)
+        return _Graph(graph=graph, slab=static, out=out, host_slab=host.pin_memory(),
+                      host_out=torch.empty(out.shape, dtype=out.dtype, pin_memory=True))
 
     def stats(self) -> dict[str, Any]:
         return {"kernel": self.kernel, "cuda_graphs": self.cuda_graphs,

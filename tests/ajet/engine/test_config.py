@@ -39,6 +39,32 @@ def test_backend_defaults_are_applied() -> None:
     assert cfg.reward_clip == 3.0
 
 
+def test_the_generation_backend_is_the_jobs_or_the_devices_default(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    cpu = engine_config_from_job(AgentJetJob(), cuda_devices=0, cpu_count=2)
+    gpu = engine_config_from_job(AgentJetJob(n_gpu=1), cuda_devices=1, cpu_count=2)
+    assert (cpu.generation_backend, gpu.generation_backend) == ("paged", "continuous_batching")
+    chosen = engine_config_from_job(AgentJetJob(n_gpu=1, generation_backend="paged"),
+                                    cuda_devices=1, cpu_count=2)
+    assert chosen.generation_backend == "paged"
+    with pytest.raises(ValueError, match="generation_backend"):
+        AgentJetJob(generation_backend="vllm")
+    # the engine's machine overrides the job for one run
+    from ajet.engine.generation.recompute import RecomputeGenerator
+    from ajet.engine.policy import load_policy
+    from ajet.engine.runtime import build_generator
+    from ajet.engine.tiny import ensure_tiny_model
+
+    policy = load_policy(ensure_tiny_model(tmp_path, seed=0), device="cpu", dtype="float32",
+                         seed=0)
+    assert type(build_generator(cpu, policy)).__name__ == "PagedGenerator"
+    monkeypatch.setenv("AJET_ENGINE_GENERATION", "recompute")
+    assert isinstance(build_generator(cpu, policy), RecomputeGenerator)
+    monkeypatch.setenv("AJET_ENGINE_GENERATION", "vllm")
+    with pytest.raises(ValueError, match="paged, continuous_batching or recompute"):
+        build_generator(cpu, policy)
+
+
 def test_load_from_yaml_names_a_bad_field(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "job.yaml"
     path.write_text("batch_size: 0\n")

@@ -4,7 +4,7 @@ Greedy replies are token-exact against `RecomputeGenerator` (which recomputes ev
 prefix, with no cache to get wrong) in the cases a paged cache can get wrong: prompt
 lengths around page boundaries, requests joining and cancelled mid-run, prompts longer
 than a prefill chunk, groups sharing a prompt, EOS, stop strings, max_new_tokens and the
-model's context. Sampled replies carry the trainer's log-probs to 1e-5 (fp32). The
+model's context, sliding-window layers. Sampled replies carry the trainer's log-probs to 1e-5 (fp32). The
 decode step's CUDA-graph layout (padding rows) is run eagerly here: padding touches
 only the trash page. Weights changed in place change the next replies.
 
@@ -17,6 +17,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,10 +267,12 @@ def test_padding_rows_of_a_graph_bucket_touch_only_the_trash_page(
         pool.v.normal_()
         before_k, before_v = pool.k.clone(), pool.v.clone()
         settings = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=1, counter=0)
-        rows = [DecodeRow(token=5, position=20, pages=[3, 7], sampling=settings),
-                DecodeRow(token=6, position=3, pages=[9], sampling=settings)]
+        rows = [DecodeRow(token=5, position=20, pages=[3, 7], table=runner.table_row([3, 7]),
+                          sampling=settings),
+                DecodeRow(token=6, position=3, pages=[9], table=runner.table_row([9]),
+                          sampling=settings)]
         slab = DecodeSlab(8, 4)
-        host = slab.pack(rows, page_size=pool.page_size, trash_page=pool.trash_page)
+        host = slab.pack(rows, page_size=pool.page_size, trash_row=runner.table_row([]))
         out = runner._decode_step(host, slab, truncate=False)
         assert out.shape == (2, 8)
         changed = (pool.k != before_k).any(-1).any(-1) | (pool.v != before_v).any(-1).any(-1)
@@ -301,3 +304,42 @@ def test_weights_changed_in_place_change_the_next_replies(
         with generator.paused(), torch.no_grad():
             for name, p in policy.model.named_parameters():
                 p.copy_(weights[name])
+
+
+def test_sliding_window_layers_read_only_their_window_as_the_reference(
+        policy: Policy, tmp_path: Path) -> None:
+    """Every layer sees the last 24 tokens (transformers' own mask in the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    windowed = AutoModelForCausalLM.from_pretrained(
+        policy.path, dtype=torch.float32, use_sliding_window=True, sliding_window=24,
+        max_window_layers=0, layer_types=["sliding_attention"] * 2).eval()
+    variant = dataclasses.replace(policy, model=windowed)
+    prompts = {i: prompt(variant, 30 + 17 * i, fill=f"{i}window ") for i in range(3)}
+    gen = paged(variant)
+    gen.start()
+    try:
+        replies = Replies(gen)
+        for key, ids in prompts.items():
+            replies.ask(key, ids, 20, temperature=0.0)
+            replies.ask(10 + key, ids, 20)  # sampled
+        got = {key: replies.result(key).response_ids for key in prompts}
+        sampled = [replies.result(10 + key) for key in prompts]
+    finally:
+        gen.stop()
+    want = reference(variant, prompts, 20)
+    assert got == {key: w.response_ids for key, w in want.items()}
+
+    def scores(model: torch.nn.Module) -> list[float]:
+        with torch.no_grad():
+            lp, _, _ = score_responses(model, [r.prompt_ids for r in sampled],
+                                       [r.response_ids for r in sampled],
+                                       pad_id=policy.pad_id, temperature=1.0,
+                                       device=policy.device)
+        return [x for row, r in enumerate(sampled)
+                for x in lp[row, :len(r.response_ids)].tolist()]
+
+    drawn = [x for r in sampled for x in r.logprobs]
+    assert drawn == pytest.approx(scores(windowed), abs=1e-5)
+    # the window matters for these prompts: the full-attention model scores them apart
+    assert max(abs(a - b) for a, b in zip(drawn, scores(policy.model), strict=True)) > 1e-3
