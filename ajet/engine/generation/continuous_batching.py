@@ -48,12 +48,12 @@ import torch
 from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationInterrupted,
-    GenerationRefused,
     GenerationRequest,
     GenerationResult,
     Generator,
     ReplyText,
     effective_sampling,
+    token_budget,
 )
 from ajet.engine.generation.kv_cache import (
     CachePlan,
@@ -248,21 +248,8 @@ class ContinuousBatchingGenerator(Generator):
 
     def _budget(self, request: GenerationRequest) -> int:
         """The request's token budget; refuses what can never be served."""
-        prompt = len(request.prompt_ids)
-        if prompt == 0:
-            raise GenerationRefused("the prompt is empty")
-        if prompt >= self._max_positions:
-            raise GenerationRefused(f"the prompt is {prompt} tokens; the model's context is "
-                                    f"{self._max_positions}")
-        max_new = max(1, min(request.max_new_tokens, self._max_positions - prompt))
-        capacity = self._plan.tokens if self._plan is not None else None
-        if capacity is not None and prompt + max_new > capacity:
-            raise GenerationRefused(
-                f"the prompt ({prompt} tokens) plus {max_new} new tokens do not fit the KV "
-                f"cache ({capacity} tokens); shorten the conversation, or raise "
-                "max_prompt_length + max_response_length in the job (the cache is sized "
-                "for them)")
-        return max_new
+        return token_budget(request, max_positions=self._max_positions,
+                            capacity=self._plan.tokens if self._plan is not None else None)
 
     def _add(self, live: _Live) -> None:
         """Hand `live` to the current manager (lock held)."""

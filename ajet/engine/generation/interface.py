@@ -52,6 +52,7 @@ __all__ = [
     "MIN_TEMPERATURE",
     "ReplyText",
     "effective_sampling",
+    "token_budget",
 ]
 
 #: A request's temperature 0 (greedy, in OpenAI's convention) samples from
@@ -185,6 +186,30 @@ class Generator(abc.ABC):
             yield
         finally:
             self.resume()
+
+
+def token_budget(request: GenerationRequest, *, max_positions: int,
+                 capacity: int | None) -> int:
+    """The new tokens `request` may generate: its own, within the model's context.
+
+    Raises `GenerationRefused` for a request no backend state could serve: an empty
+    prompt, one as long as the context, or one that with its new tokens does not fit the
+    `capacity` tokens a backend's KV cache holds for one request (None: no cache limit).
+    """
+    prompt = len(request.prompt_ids)
+    if prompt == 0:
+        raise GenerationRefused("the prompt is empty")
+    if prompt >= max_positions:
+        raise GenerationRefused(f"the prompt is {prompt} tokens; the model's context is "
+                                f"{max_positions}")
+    max_new = max(1, min(request.max_new_tokens, max_positions - prompt))
+    if capacity is not None and prompt + max_new > capacity:
+        raise GenerationRefused(
+            f"the prompt ({prompt} tokens) plus {max_new} new tokens do not fit the KV "
+            f"cache ({capacity} tokens); shorten the conversation, or raise "
+            "max_prompt_length + max_response_length in the job (the cache is sized "
+            "for them)")
+    return max_new
 
 
 def effective_sampling(request: GenerationRequest, temperature: float, top_p: float

@@ -45,12 +45,12 @@ import torch
 from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationInterrupted,
-    GenerationRefused,
     GenerationRequest,
     GenerationResult,
     Generator,
     ReplyText,
     effective_sampling,
+    token_budget,
 )
 from ajet.engine.generation.kv_cache import (
     PAGED_CPU_PAGE_SIZE,
@@ -284,23 +284,11 @@ class PagedGenerator(Generator):
     # ------------------------------------------------------------------ requests
 
     def _budget(self, request: GenerationRequest) -> int:
-        """The request's token budget; refuses what can never be served."""
-        prompt = len(request.prompt_ids)
-        if prompt == 0:
-            raise GenerationRefused("the prompt is empty")
-        if prompt >= self._max_positions:
-            raise GenerationRefused(f"the prompt is {prompt} tokens; the model's context is "
-                                    f"{self._max_positions}")
-        max_new = max(1, min(request.max_new_tokens, self._max_positions - prompt))
+        """The request's token budget; refuses what can never be served (longer than a
+        request's share of the pool: its pages in the decode step's page table)."""
         plan = self._runner.plan if self._runner is not None else None
-        if plan is not None and prompt + max_new > min(plan.tokens, plan.max_request_tokens):
-            capacity = min(plan.tokens, plan.max_request_tokens)
-            raise GenerationRefused(
-                f"the prompt ({prompt} tokens) plus {max_new} new tokens do not fit the KV "
-                f"cache ({capacity} tokens per request); shorten the conversation, or raise "
-                "max_prompt_length + max_response_length in the job (the cache is sized "
-                "for them)")
-        return max_new
+        return token_budget(request, max_positions=self._max_positions,
+                            capacity=min(plan.tokens, plan.max_request_tokens) if plan else None)
 
     def _cancel(self, live: _Live) -> None:
         """Another thread's cancel: the scheduler frees the pages at its next round."""

@@ -26,12 +26,12 @@ import torch
 from ajet.engine.generation.interface import (
     GenerationHandle,
     GenerationInterrupted,
-    GenerationRefused,
     GenerationRequest,
     GenerationResult,
     Generator,
     ReplyText,
     effective_sampling,
+    token_budget,
 )
 from ajet.engine.policy import Policy, sample_tokens
 
@@ -86,12 +86,7 @@ class RecomputeGenerator(Generator):
             handle.finish(GenerationInterrupted("the engine is shutting down"))
 
     def validate(self, request: GenerationRequest) -> None:
-        if not request.prompt_ids:
-            raise GenerationRefused("the prompt is empty")
-        if len(request.prompt_ids) >= self.policy.max_positions:
-            raise GenerationRefused(
-                f"the prompt is {len(request.prompt_ids)} tokens; the model's context is "
-                f"{self.policy.max_positions}")
+        token_budget(request, max_positions=self.policy.max_positions, capacity=None)
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         if self._stop.is_set():
