@@ -56,9 +56,9 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 if str(PROJECT_ROOT) not in sys.path:  # run from a checkout
     sys.path.insert(0, str(PROJECT_ROOT))
 
-import torch
+import torch  # noqa: E402
 
-from bench.gpu_model import QWEN25_VOCAB_SIZE, SHAPES
+from bench.gpu_model import QWEN25_VOCAB_SIZE, SHAPES  # noqa: E402
 
 log = logging.getLogger("bench.gpu_generation")
 
@@ -296,7 +296,7 @@ def item_step(model: torch.nn.Module, _deadline: float) -> dict[str, Any]:
                 owned = [list(range(i * pages_each, (i + 1) * pages_each)) for i in range(rows)]
                 batch = [DecodeRow(token=7, position=PROMPT_TOKENS, pages=pages,
                                    table=runner.table_row(pages),
-                                   sampling=Sampling(1.0, 1.0, 0, i, 0))
+                                   sampling=Sampling(1.0, 1.0, 0, i), counter=0)
                          for i, pages in enumerate(owned)]
                 timings = {}
                 for mode in ("eager", "graph"):
@@ -406,15 +406,15 @@ def item_e2e(model: torch.nn.Module, deadline: float) -> dict[str, Any]:
             one = run_requests(gen, prompts(1, vocab, seed=6), NEW_TOKENS, deadline)
             many = run_requests(gen, prompts(CONCURRENT, vocab, seed=7), NEW_TOKENS, deadline)
             stats = gen.stats()
-            plan = getattr(gen, "_runner", None)
+            runner = getattr(gen, "_runner", None)  # the paged backend's pool plan
         row = {"tok_s_1": round(one["tokens_per_s"], 1), "ttft_1_s": one["ttft_median_s"],
                f"tok_s_{CONCURRENT}": round(many["tokens_per_s"], 1),
                f"ttft_{CONCURRENT}_s": many["ttft_median_s"]}
         if torch.cuda.is_available():
             row["peak_mib_above_weights"] = round((torch.cuda.max_memory_allocated() - base)
                                                   / 2**20, 1)
-            if plan is not None:
-                planned = plan.plan.pool_bytes + plan.plan.working_bytes
+            if runner is not None:
+                planned = runner.plan.pool_bytes + runner.plan.working_bytes
                 row["planned_mib"] = round(planned / 2**20, 1)
                 row["peak_vs_plan"] = round((torch.cuda.max_memory_allocated() - base)
                                             / planned, 3)

@@ -65,6 +65,14 @@ GPU_MAX_BATCH_TOKENS = 8192
 _INDEX_BYTES = 8
 
 
+def _language_model_fields(config: Any) -> Any:
+    """`get(name, default)` over a `PretrainedConfig` or a `config.json` dict, inside the
+    nested language-model config of a multimodal checkpoint."""
+    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    text = get("text_config")
+    return _language_model_fields(text) if text else get
+
+
 class CacheTooSmall(ValueError):
     """The memory left for the KV cache cannot hold one request of the longest length."""
 
@@ -80,10 +88,7 @@ class ModelGeometry:
     @classmethod
     def from_config(cls, config: Any) -> ModelGeometry:
         """From a `PretrainedConfig` or the dict of a `config.json`."""
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-        text = get("text_config")  # multimodal checkpoints nest the language model's config
-        if text:
-            return cls.from_config(text)
+        get = _language_model_fields(config)
         heads = int(get("num_attention_heads"))
         head_dim = get("head_dim") or int(get("hidden_size")) // heads
         return cls(layers=int(get("num_hidden_layers")),
@@ -214,10 +219,10 @@ class PoolPlan:
     max_batch: int
     #: tokens per prefill forward pass
     prefill_tokens: int
-    #: the budget the pool was sized within, and what it keeps aside for the step's
-    #: working tensors (graph pool, prefill scratch) on a GPU
+    #: the budget the pool was sized within, and the steps' working tensors (graph pool,
+    #: prefill scratch: `paged_working_bytes`), which on a GPU come out of that budget
     budget_bytes: int
-    working_bytes: int = 0
+    working_bytes: int
 
     @property
     def tokens(self) -> int:
@@ -230,30 +235,39 @@ class PoolPlan:
     def summary(self) -> str:
         return (f"paged KV pool on {self.device}: {self.tokens} tokens in {self.pages} pages of "
                 f"{self.page_size} ({self.pool_bytes / MiB:.1f} MiB), up to {self.max_batch} "
-                f"requests per decode step, {self.prefill_tokens}-token prefill chunks"
-                + (f", {self.working_bytes / MiB:.0f} MiB kept for the step's working tensors"
-                   if self.working_bytes else ""))
+                f"requests per decode step, {self.prefill_tokens}-token prefill chunks, "
+                f"{self.working_bytes / MiB:.0f} MiB for the steps' working tensors")
 
 
-def plan_paged_pool(geometry: ModelGeometry, *, device: str, dtype_bytes: int,
-                    max_request_tokens: int, concurrency: int, budget_bytes: int,
-                    working_bytes: int, prefill_tokens: int, page_size: int) -> PoolPlan:
-    """The pool: what `concurrency` longest requests need, within `budget_bytes` less the
-    step's `working_bytes`, and never less than one such request.
+def plan_paged_pool(config: Any, *, device: str, dtype_bytes: int, max_request_tokens: int,
+                    concurrency: int, budget_bytes: int, prefill_tokens: int, kernel: str,
+                    page_size: int | None = None) -> PoolPlan:
+    """The pool: what `concurrency` longest requests need, within `budget_bytes`, and
+    never less than one such request; the generator and the memory planner both call it.
 
-    On a GPU the budget is `gpu_memory_utilization` of the device less what is allocated
-    (as `plan_gpu_cache`); on a CPU it is `cpu_kv_cache_mb`. The pool needs no attention
+    `config` is the model's `PretrainedConfig` or `config.json` dict. On a GPU the budget
+    is `gpu_memory_utilization` of the device less what is allocated (as
+    `plan_gpu_cache`), and the steps' working tensors (`paged_working_bytes`) come out of
+    it; on a CPU it is `cpu_kv_cache_mb`, for the pool alone. The pool needs no attention
     mask, so unlike transformers' cache it costs only its keys and values. Raises
     `CacheTooSmall` with the numbers when not even one request fits.
     """
-    page = page_size
+    on_gpu = device == "cuda"
+    page = page_size or (PAGED_GPU_PAGE_SIZE if on_gpu else PAGED_CPU_PAGE_SIZE)
+    geometry = ModelGeometry.from_config(config)
+    # the torch kernel (every CPU, or forced) gathers each row's pages; Triton does not
+    working = paged_working_bytes(config, dtype_bytes=dtype_bytes, max_batch=concurrency,
+                                  prefill_tokens=prefill_tokens,
+                                  max_request_tokens=max_request_tokens, page_size=page,
+                                  gathered=not on_gpu or kernel == "torch")
+    reserved = working if on_gpu else 0
     kv = geometry.kv_bytes_per_token(dtype_bytes)
     one_request = _blocks(1, max_request_tokens, page)
-    affordable = (budget_bytes - working_bytes) // (kv * page) - 1  # less the trash page
+    affordable = (budget_bytes - reserved) // (kv * page) - 1  # less the trash page
     if affordable < one_request:
         raise CacheTooSmall(
-            f"the paged KV pool gets {max(budget_bytes - working_bytes, 0) / GiB:.2f} GiB "
-            f"({budget_bytes / GiB:.2f} GiB budget less {working_bytes / GiB:.2f} GiB for "
+            f"the paged KV pool gets {max(budget_bytes - reserved, 0) / GiB:.2f} GiB "
+            f"({budget_bytes / GiB:.2f} GiB budget less {reserved / GiB:.2f} GiB for "
             f"the decode and prefill working tensors), but one request of "
             f"max_prompt_length + max_response_length = {max_request_tokens} tokens needs "
             f"{(one_request + 1) * page * kv / GiB:.2f} GiB; raise gpu_memory_utilization "
@@ -263,7 +277,7 @@ def plan_paged_pool(geometry: ModelGeometry, *, device: str, dtype_bytes: int,
     return PoolPlan(device=device, geometry=geometry, page_size=page, pages=pages,
                     kv_bytes_per_token=kv, max_request_tokens=max_request_tokens,
                     max_batch=max(1, concurrency), prefill_tokens=prefill_tokens,
-                    budget_bytes=budget_bytes, working_bytes=working_bytes)
+                    budget_bytes=budget_bytes, working_bytes=working)
 
 
 #: Bytes per (row, vocabulary id) of the decode step's sampling: the logits in the compute
@@ -287,10 +301,7 @@ def paged_working_bytes(config: Any, *, dtype_bytes: int, max_batch: int,
     the keys and values of one request's whole context gathered, and the output head on
     the rows it samples. `config` is a `PretrainedConfig` or a `config.json` dict.
     """
-    get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
-    if get("text_config"):
-        config = get("text_config")
-        get = config.get if isinstance(config, dict) else lambda k, d=None: getattr(config, k, d)
+    get = _language_model_fields(config)
     geometry = ModelGeometry.from_config(config)
     hidden, vocab = int(get("hidden_size")), int(get("vocab_size"))
     heads = int(get("num_attention_heads"))

@@ -52,15 +52,7 @@ from ajet.engine.generation.interface import (
     effective_sampling,
     token_budget,
 )
-from ajet.engine.generation.kv_cache import (
-    PAGED_CPU_PAGE_SIZE,
-    PAGED_GPU_PAGE_SIZE,
-    MiB,
-    ModelGeometry,
-    PoolPlan,
-    paged_working_bytes,
-    plan_paged_pool,
-)
+from ajet.engine.generation.kv_cache import MiB, PoolPlan, plan_paged_pool
 from ajet.engine.generation.page_pool import PagePool, page_keys
 from ajet.engine.generation.paged_runner import (
     DecodeRow,
@@ -91,31 +83,26 @@ class PagedSettings:
     kernel: str = "auto"
     #: keep the pool (and the graphs) allocated across updates
     keep_pool: bool = True
+    #: None: the device's (`kv_cache.PAGED_CPU_PAGE_SIZE`, `PAGED_GPU_PAGE_SIZE`)
     page_size: int | None = None
 
     def plan(self, model: torch.nn.Module) -> PoolPlan:
         """The pool for `model`'s device, from the memory it has now."""
         parameter = next(model.parameters())
-        device, dtype_bytes = parameter.device, parameter.element_size()
-        geometry = ModelGeometry.from_config(model.config)
-        on_gpu = device.type == "cuda"
-        prefill = self.gpu_prefill_tokens if on_gpu else self.cpu_prefill_tokens
-        if on_gpu:
+        device = parameter.device
+        if device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
             budget = int(self.gpu_memory_utilization * total) - (total - free)
+            prefill = self.gpu_prefill_tokens
         else:
-            budget = int(self.cpu_kv_cache_mb * MiB)
-        page_size = self.page_size or (PAGED_GPU_PAGE_SIZE if on_gpu else PAGED_CPU_PAGE_SIZE)
-        working = paged_working_bytes(
-            model.config, dtype_bytes=dtype_bytes, max_batch=self.concurrency,
-            prefill_tokens=prefill, max_request_tokens=self.max_request_tokens,
-            page_size=page_size, gathered=self.kernel == "torch") if on_gpu else 0
-        return plan_paged_pool(geometry, device=device.type, dtype_bytes=dtype_bytes,
+            budget, prefill = int(self.cpu_kv_cache_mb * MiB), self.cpu_prefill_tokens
+        return plan_paged_pool(model.config, device=device.type,
+                               dtype_bytes=parameter.element_size(),
                                max_request_tokens=self.max_request_tokens,
                                concurrency=self.concurrency, budget_bytes=budget,
-                               working_bytes=working, prefill_tokens=prefill,
-                               page_size=page_size)
+                               prefill_tokens=prefill, kernel=self.kernel,
+                               page_size=self.page_size)
 
 
 @dataclass(eq=False)
@@ -139,6 +126,8 @@ class _Live:
     #: pages are marked ready
     keys: list[bytes] = field(default_factory=list)
     marked: int = 0
+    #: the chain keys of its prompt's whole pages, computed at its first admission
+    prompt_keys: list[bytes] | None = None
     cancelled: bool = False
 
     @property
@@ -225,8 +214,7 @@ class PagedGenerator(Generator):
         streaming = request.on_delta is not None or bool(request.stop)
         handle = GenerationHandle(request, on_cancel=lambda h: self._cancel(live))
         live = _Live(handle=handle, max_new=max_new,
-                     sampling=Sampling(temperature=temperature, top_p=top_p, top_k=0, seed=0,
-                                       counter=0),
+                     sampling=Sampling(temperature=temperature, top_p=top_p, top_k=0, seed=0),
                      reply=ReplyText(self._decode, request.stop) if streaming else None,
                      tokens=list(request.prompt_ids), prompt_len=len(request.prompt_ids))
         with self._cond:
@@ -371,7 +359,10 @@ class PagedGenerator(Generator):
         while self._waiting and len(self._running) < plan.max_batch:
             live = self._waiting.popleft()
             page_size = plan.page_size
-            keys = page_keys(live.tokens[:live.prompt_len], page_size)
+            if self._settings.prefix_sharing and live.prompt_keys is None:  # once: a
+                # request that waits for a prefix or for pages is looked at every round
+                live.prompt_keys = page_keys(live.tokens[:live.prompt_len], page_size)
+            keys = live.prompt_keys or []
             # at least the prompt's last token is computed: its logits give the first token
             shareable = keys[:(live.prompt_len - 1) // page_size]
             match = (self._pages.match(shareable) if self._settings.prefix_sharing
@@ -388,7 +379,7 @@ class PagedGenerator(Generator):
             self._pages.hold(shared)
             live.pages = shared + pages
             live.table = self._runner.table_row(live.pages)
-            live.keys = keys
+            live.keys = list(keys)
             live.computed = len(shared) * page_size
             live.marked = len(shared)
             self.counters["prefix_tokens"] += live.computed
@@ -411,9 +402,11 @@ class PagedGenerator(Generator):
             count = min(live.prompt_len - live.computed, budget)
             budget -= count
             ends = live.computed + count == live.prompt_len
-            rows.append((live, PrefillRow(tokens=live.tokens[live.computed:live.computed + count],
-                                          position=live.computed, pages=live.pages,
-                                          sampling=live.sampling if ends else None)))
+            rows.append((live, PrefillRow(
+                tokens=live.tokens[live.computed:live.computed + count],
+                position=live.computed, pages=live.pages,
+                table=live.table,  # type: ignore[arg-type]
+                sampling=live.sampling if ends else None)))
         return rows
 
     def _round(self, prefill: list[tuple[_Live, PrefillRow]], decoding: list[_Live],
@@ -430,14 +423,15 @@ class PagedGenerator(Generator):
         if decoding:
             rows = [DecodeRow(token=live.tokens[-1], position=len(live.tokens) - 1,
                               pages=live.pages, table=live.table,  # type: ignore[arg-type]
-                              sampling=live.sampling) for live in decoding]
+                              sampling=live.sampling, counter=len(live.logprobs))
+                    for live in decoding]
             sampled_decode = self._runner.decode(rows)
             drawn += [(live, 1, out) for live, out in zip(decoding, sampled_decode,
                                                            strict=True)]
             self.counters["decode_steps"] += 1
         with self._cond:
             for live, computed, out in drawn:
-                if live.cancelled or live.handle.done or live not in self._running:
+                if live.cancelled or live.handle.done:
                     continue
                 live.computed += computed
                 self._mark_pages(live)
@@ -467,20 +461,19 @@ class PagedGenerator(Generator):
         """One sampled token: text, stop conditions, the result (lock held)."""
         live.tokens.append(token)
         live.logprobs.append(logprob)
-        live.sampling = dataclasses.replace(live.sampling, counter=len(live.logprobs))
         self.counters["tokens"] += 1
-        generated = live.generated
         stopped = False
-        if live.reply is not None:
-            deltas.append((live, live.reply.update(generated)))
+        if live.reply is not None:  # the only requests whose text is needed per token
+            deltas.append((live, live.reply.update(live.generated)))
             stopped = live.reply.stopped
         if token in self._eos or stopped:
             reason = "stop"
-        elif (len(generated) >= live.max_new
+        elif (len(live.logprobs) >= live.max_new
               or len(live.tokens) >= self._max_positions):
             reason = "length"
         else:
             return
+        generated = live.generated
         if live.reply is not None:
             deltas.append((live, live.reply.update(generated, done=True)))
             text = live.reply.text
@@ -495,4 +488,4 @@ class PagedGenerator(Generator):
 def _seeded(sampling: Sampling, seed: int, index: int) -> Sampling:
     """The request's own noise seed: the generator's seed and its admission number."""
     mixed = (seed * 1_000_003 + index * 7_919 + 12_345) & 0x7FFFFFFF
-    return dataclasses.replace(sampling, seed=mixed, counter=0)
+    return dataclasses.replace(sampling, seed=mixed)

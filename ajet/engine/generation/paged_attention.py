@@ -116,8 +116,8 @@ class PagedBatch:
     slots: torch.Tensor
     #: (R, max_pages) int32 each request's pages in order (trash page past its end)
     block_tables: torch.Tensor
-    #: (R,) int32 tokens each request may read, the new ones included (decode only)
-    context_lens: torch.Tensor
+    #: decode: (R,) int32 tokens each request may read, the new one included
+    context_lens: torch.Tensor | None = None
     #: prefill: each request's segment of the packed row; None: a decode step (R == N)
     segments: tuple[Segment, ...] | None = None
     #: decode kernel: "triton", "torch" or "flex"
@@ -164,6 +164,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q = query[0].transpose(0, 1)  # (N, H, D)
     window = kwargs.get("sliding_window")
     if batch.segments is None:
+        assert batch.context_lens is not None
         kernel = "torch" if window and batch.kernel == "triton" else batch.kernel
         out = decode_attention(q, k_pool, v_pool, batch.block_tables, batch.context_lens,
                                scale, kernel=kernel, window=window)

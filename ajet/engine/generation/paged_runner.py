@@ -65,9 +65,8 @@ class Sampling:
     temperature: float
     top_p: float
     top_k: int
+    #: the request's own noise seed (the counter is its token index: `DecodeRow`)
     seed: int
-    #: the request's token index: the counter of its noise
-    counter: int
 
     @property
     def truncates(self) -> bool:
@@ -85,6 +84,8 @@ class DecodeRow:
     #: request's pages never change while it runs, so the row is built once
     table: torch.Tensor
     sampling: Sampling
+    #: tokens the request generated so far: the counter of its noise
+    counter: int
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,8 @@ class PrefillRow:
     tokens: Sequence[int]
     position: int
     pages: Sequence[int]
-    #: sample its next token (the chunk ends its prompt), with these settings
+    table: torch.Tensor  # as `DecodeRow.table`
+    #: sample its first token (the chunk ends its prompt), with these settings
     sampling: Sampling | None
 
 
@@ -107,7 +109,6 @@ class DecodeSlab:
 
     def __init__(self, rows: int, max_pages: int) -> None:
         self.rows, self.max_pages = rows, max_pages
-        self.size = len(self.FIELDS) * rows + rows * max_pages
 
     def pack(self, rows: Sequence[DecodeRow], *, page_size: int, trash_row: torch.Tensor
              ) -> torch.Tensor:
@@ -122,7 +123,7 @@ class DecodeSlab:
                for r in rows] + [trash * page_size] * pad
             + [r.position + 1 for r in rows] + [1] * pad
             + [r.sampling.seed for r in rows] + [0] * pad
-            + [r.sampling.counter for r in rows] + [0] * pad
+            + [r.counter for r in rows] + [0] * pad
             + [r.sampling.top_k for r in rows] + [0] * pad, dtype=torch.int32)
         floats = torch.tensor([r.sampling.temperature for r in rows] + [1.0] * pad
                               + [r.sampling.top_p for r in rows] + [1.0] * pad,
@@ -189,10 +190,14 @@ class PagedRunner:
     def release_pool(self) -> None:
         """Free the pool and the graphs (their addresses die with it) for an update."""
         self.pool = None
-        self._graphs.clear()
-        self._graph_pool = None
+        self._drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_pool = None
+        self.graph_pool_bytes = 0
 
     def refresh(self, model: torch.nn.Module) -> None:
         """After an update: the pool back if released, graphs captured again if the
@@ -202,8 +207,7 @@ class PagedRunner:
         if self._graphs and self._current_addresses() != self._addresses:
             log.info("paged generator: weights or the KV pool moved since the CUDA graphs "
                      "were captured; capturing them again")
-            self._graphs.clear()
-            self._graph_pool = None
+            self._drop_graphs()
 
     def _current_addresses(self) -> tuple[int, ...]:
         tensors = itertools.chain(self.model.parameters(), self.model.buffers())
@@ -228,9 +232,8 @@ class PagedRunner:
     def prefill(self, rows: Sequence[PrefillRow]) -> list[tuple[int, float] | None]:
         """One eager forward over the rows' chunks; (token, log-prob) where sampled."""
         assert self.pool is not None
-        page_size, trash = self.pool.page_size, self.pool.trash_page
-        widest = max(len(r.pages) for r in rows)
-        ids, positions, slots, segments, tables, keep = [], [], [], [], [], []
+        page_size = self.pool.page_size
+        ids, positions, slots, segments, keep = [], [], [], [], []
         for i, row in enumerate(rows):
             start = len(ids)
             span = range(row.position, row.position + len(row.tokens))
@@ -239,14 +242,11 @@ class PagedRunner:
             slots.extend(row.pages[p // page_size] * page_size + p % page_size for p in span)
             segments.append(Segment(query_start=start, query_len=len(row.tokens),
                                     context_len=span.stop, row=i))
-            tables.append(list(row.pages) + [trash] * (widest - len(row.pages)))
             if row.sampling is not None:
                 keep.append(len(ids) - 1)
+        tables = torch.stack([r.table for r in rows]).to(self.device)  # (R, max_pages)
         batch = PagedBatch(self.pool, slots=self._tensor(slots, torch.int64),
-                           block_tables=self._tensor(tables, torch.int32),
-                           context_lens=self._tensor([s.context_len for s in segments],
-                                                     torch.int32),
-                           segments=tuple(segments), kernel=self.kernel)
+                           block_tables=tables, segments=tuple(segments), kernel=self.kernel)
         if not keep:
             self._forward(ids, positions, batch, logits_to_keep=1)
             return [None] * len(rows)
@@ -308,13 +308,16 @@ class PagedRunner:
 
     def _sample(self, logits: torch.Tensor, settings: Sequence[Sampling]
                 ) -> tuple[list[int], list[float]]:
-        column = lambda name, dtype: self._tensor(
-            [getattr(s, name) for s in settings], dtype)
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return self._tensor([getattr(s, name) for s in settings], dtype)
+
         tokens, logprobs = sample(logits, temperature=column("temperature", torch.float32),
                                   top_p=column("top_p", torch.float32),
                                   top_k=column("top_k", torch.int64),
                                   seeds=column("seed", torch.int64),
-                                  counters=column("counter", torch.int64),
+                                  # a prompt's last token samples its reply's first
+                                  counters=torch.zeros(len(settings), dtype=torch.int64,
+                                                       device=self.device),
                                   truncate=any(s.truncates for s in settings))
         return tokens.tolist(), logprobs.float().tolist()
 
@@ -345,7 +348,7 @@ class PagedRunner:
             log.exception("paged generator: CUDA graph capture failed for %d rows; decoding "
                           "eagerly from now on", rows)
             self.cuda_graphs = False
-            self._graphs.clear()
+            self._drop_graphs()
             return None
         return self._graphs[key]
 

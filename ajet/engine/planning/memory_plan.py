@@ -57,14 +57,11 @@ from typing import Any
 
 from ajet.engine.config import BackendDefaults, episodes_in_flight, generation_backend
 from ajet.engine.generation.kv_cache import (
-    PAGED_CPU_PAGE_SIZE,
-    PAGED_GPU_PAGE_SIZE,
     CachePlan,
     CacheTooSmall,
     ModelGeometry,
     PoolPlan,
     generation_concurrency,
-    paged_working_bytes,
     plan_cpu_cache,
     plan_gpu_cache,
     plan_paged_pool,
@@ -926,35 +923,29 @@ def _add_generation_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
 
 def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaults,
                           geometry: ModelGeometry, concurrency: int) -> None:
-    """The paged backend (`generation/paged.py`): its pool, sized by the same call the
-    generator makes (`kv_cache.plan_paged_pool`), and its steps' working tensors (the CUDA
-    graph pool and the prefill scratch: `kv_cache.paged_working_bytes`); no attention
-    mask. On a GPU the pool and the graphs stay allocated across updates when they fit
-    beside the update's peak (then they count in every training phase), else they are
-    released for each update and count while generating only."""
+    """The paged backend (`generation/paged.py`): its pool and its steps' working tensors
+    (the CUDA graph pool, the prefill scratch), from the call the generator makes
+    (`kv_cache.plan_paged_pool`); no attention mask. On a GPU the pool and the graphs stay
+    allocated across updates when they fit beside the update's peak (then they count in
+    every training phase), else they are released for each update and count while
+    generating only."""
     job, shape = plan.job, plan.shape
-    prefill = backend.gpu_prefill_tokens if job.on_gpu else backend.cpu_max_batch_tokens
-    page_size = PAGED_GPU_PAGE_SIZE if job.on_gpu else PAGED_CPU_PAGE_SIZE
-    working = paged_working_bytes(
-        {"hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
-         "intermediate_size": shape.intermediate_size, "num_hidden_layers": shape.layers,
-         "num_attention_heads": shape.heads, "num_key_value_heads": shape.kv_heads,
-         "head_dim": shape.head_dim},
-        dtype_bytes=compute, max_batch=concurrency, prefill_tokens=prefill,
-        max_request_tokens=job.sample_tokens, page_size=page_size,
-        gathered=not job.on_gpu or backend.paged_kernel == "torch")
-    if job.on_gpu:  # as the generator: the budget less what is allocated, less the steps
+    if job.on_gpu:  # as the generator: the budget less what is allocated when it plans
         budget = int(job.gpu_memory_utilization * plan.available.bytes) - plan.phase_bytes(
             "generation")
-        reserved = working
     else:
-        budget, reserved = int(backend.cpu_kv_cache_mb * MiB), 0
+        budget = int(backend.cpu_kv_cache_mb * MiB)
+    config = {"hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
+              "intermediate_size": shape.intermediate_size,
+              "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+              "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim}
     try:
-        pool = plan_paged_pool(geometry, device="cuda" if job.on_gpu else "cpu",
-                               dtype_bytes=compute, max_request_tokens=job.sample_tokens,
-                               concurrency=concurrency, budget_bytes=budget,
-                               working_bytes=reserved, prefill_tokens=prefill,
-                               page_size=page_size)
+        pool = plan_paged_pool(
+            config, device="cuda" if job.on_gpu else "cpu", dtype_bytes=compute,
+            max_request_tokens=job.sample_tokens, concurrency=concurrency,
+            budget_bytes=budget, kernel=backend.paged_kernel,
+            prefill_tokens=backend.gpu_prefill_tokens if job.on_gpu
+            else backend.cpu_max_batch_tokens)
     except CacheTooSmall as exc:
         plan.cache_error = str(exc)
         plan.terms.append(Term("KV cache: one request, at least", 2 * job.sample_tokens
@@ -963,13 +954,13 @@ def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
         return
     plan.pool = pool
     update_peak = max(plan.phase_bytes(p) for p in _TRAINING if p != "generation")
-    plan.pool_kept = (not job.on_gpu
-                      or update_peak + pool.pool_bytes + working <= plan.available.bytes)
+    plan.pool_kept = (not job.on_gpu or update_peak + pool.pool_bytes + pool.working_bytes
+                      <= plan.available.bytes)
     phases = _TRAINING if plan.pool_kept else ("generation",)
-    plan.terms.append(Term(f"paged KV pool ({pool.tokens} tokens, pages of {page_size})",
-                           pool.pool_bytes, "transient", phases))
-    plan.terms.append(Term("paged decode step (CUDA graph pool) or prefill chunk", working,
-                           "transient", phases))
+    plan.terms.append(Term(f"paged KV pool ({pool.tokens} tokens, pages of "
+                           f"{pool.page_size})", pool.pool_bytes, "transient", phases))
+    plan.terms.append(Term("paged decode step (CUDA graph pool) or prefill chunk",
+                           pool.working_bytes, "transient", phases))
     if not job.on_gpu:
         plan.terms.append(Term("torch kernels for decoding (CPU)", _CPU_DECODING_RUNTIME,
                                "runtime", ("generation",)))

@@ -3,10 +3,11 @@
 Greedy replies are token-exact against `RecomputeGenerator` (which recomputes every
 prefix, with no cache to get wrong) in the cases a paged cache can get wrong: prompt
 lengths around page boundaries, requests joining and cancelled mid-run, prompts longer
-than a prefill chunk, groups sharing a prompt, EOS, stop strings, max_new_tokens and the
-model's context, sliding-window layers. Sampled replies carry the trainer's log-probs to 1e-5 (fp32). The
-decode step's CUDA-graph layout (padding rows) is run eagerly here: padding touches
-only the trash page. Weights changed in place change the next replies.
+than a prefill chunk, groups sharing a prompt, EOS, stop strings, max_new_tokens, the
+model's context, and sliding-window layers. Sampled replies carry the trainer's log-probs
+to 1e-5 (fp32). The decode step's CUDA-graph layout (padding rows) is run eagerly here:
+padding touches only the trash page. Weights changed in place change the next replies,
+and a pool released for an update comes back whole.
 
 The contract tests shared with transformers' backend are in test_generation.py.
 """
@@ -266,11 +267,11 @@ def test_padding_rows_of_a_graph_bucket_touch_only_the_trash_page(
         pool.k.normal_()
         pool.v.normal_()
         before_k, before_v = pool.k.clone(), pool.v.clone()
-        settings = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=1, counter=0)
+        settings = Sampling(temperature=1.0, top_p=1.0, top_k=0, seed=1)
         rows = [DecodeRow(token=5, position=20, pages=[3, 7], table=runner.table_row([3, 7]),
-                          sampling=settings),
+                          sampling=settings, counter=0),
                 DecodeRow(token=6, position=3, pages=[9], table=runner.table_row([9]),
-                          sampling=settings)]
+                          sampling=settings, counter=0)]
         slab = DecodeSlab(8, 4)
         host = slab.pack(rows, page_size=pool.page_size, trash_row=runner.table_row([]))
         out = runner._decode_step(host, slab, truncate=False)
@@ -343,3 +344,29 @@ def test_sliding_window_layers_read_only_their_window_as_the_reference(
     assert drawn == pytest.approx(scores(windowed), abs=1e-5)
     # the window matters for these prompts: the full-attention model scores them apart
     assert max(abs(a - b) for a, b in zip(drawn, scores(policy.model), strict=True)) > 1e-3
+
+
+def test_a_pool_released_for_an_update_comes_back_and_serves_the_same(policy: Policy) -> None:
+    """`keep_pool=False` (the memory plan says the pool does not fit beside the update):
+    pause frees the pool, resume allocates it again, replies stay exact."""
+    gen = PagedGenerator(
+        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
+        max_positions=policy.max_positions, temperature=1.0, top_p=1.0, seed=0,
+        settings=PagedSettings(max_request_tokens=256, concurrency=4,
+                               gpu_memory_utilization=0.9, cpu_kv_cache_mb=2,
+                               cpu_prefill_tokens=CHUNK, keep_pool=False))
+    ids = {0: prompt(policy, 40, fill="pool ")}
+    gen.start()
+    try:
+        replies = Replies(gen)
+        replies.ask(0, ids[0], 16, temperature=0.0)
+        first = replies.result(0).response_ids
+        held = gen.stats()["pool_bytes"]
+        with gen.paused():
+            assert held > 0 and gen.stats()["pool_bytes"] == 0
+        replies.ask(1, ids[0], 16, temperature=0.0)
+        assert replies.result(1).response_ids == first
+        assert gen.stats()["pool_bytes"] == held
+    finally:
+        gen.stop()
+    assert first == reference(policy, ids, 16)[0].response_ids
