@@ -43,6 +43,7 @@ __all__ = [
     "ModelGeometry",
     "PoolPlan",
     "generation_concurrency",
+    "gpu_cache_budget",
     "paged_working_bytes",
     "plan_cpu_cache",
     "plan_gpu_cache",
@@ -132,6 +133,13 @@ class CachePlan:
                 f"{self.max_requests_per_batch} requests per forward pass")
 
 
+def gpu_cache_budget(total_bytes: int, free_bytes: int, gpu_memory_utilization: float
+                     ) -> int:
+    """What a GPU generator's cache may take: `gpu_memory_utilization` of the device's
+    total, less what is allocated when the cache is built (read as vLLM reads its knob)."""
+    return int(gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes)
+
+
 def generation_concurrency(max_generation_batch: int, max_in_flight: int) -> int:
     """Requests one rank's cache is sized for: the episodes open at once, at most
     `max_generation_batch` (the engine's generator and the memory planner both use it)."""
@@ -172,7 +180,7 @@ def plan_gpu_cache(geometry: ModelGeometry, *, dtype_bytes: int, max_request_tok
     """
     kv = geometry.kv_bytes_per_token(dtype_bytes)
     used = total_bytes - free_bytes
-    budget = int(gpu_memory_utilization * total_bytes) - used
+    budget = gpu_cache_budget(total_bytes, free_bytes, gpu_memory_utilization)
     one_request = max_request_tokens * kv
     # twice one request's KV: room for transformers' activations and index tensors too
     if budget < 2 * one_request:

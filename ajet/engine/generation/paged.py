@@ -52,7 +52,7 @@ from ajet.engine.generation.interface import (
     effective_sampling,
     token_budget,
 )
-from ajet.engine.generation.kv_cache import MiB, PoolPlan, plan_paged_pool
+from ajet.engine.generation.kv_cache import MiB, PoolPlan, gpu_cache_budget, plan_paged_pool
 from ajet.engine.generation.page_pool import PagePool, page_keys
 from ajet.engine.generation.paged_runner import (
     DecodeRow,
@@ -93,7 +93,7 @@ class PagedSettings:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(device)
-            budget = int(self.gpu_memory_utilization * total) - (total - free)
+            budget = gpu_cache_budget(total, free, self.gpu_memory_utilization)
             prefill = self.gpu_prefill_tokens
         else:
             budget, prefill = int(self.cpu_kv_cache_mb * MiB), self.cpu_prefill_tokens

@@ -62,6 +62,7 @@ from ajet.engine.generation.kv_cache import (
     ModelGeometry,
     PoolPlan,
     generation_concurrency,
+    gpu_cache_budget,
     plan_cpu_cache,
     plan_gpu_cache,
     plan_paged_pool,
@@ -930,9 +931,10 @@ def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
     every training phase), else they are released for each update and count while
     generating only."""
     job, shape = plan.job, plan.shape
-    if job.on_gpu:  # as the generator: the budget less what is allocated when it plans
-        budget = int(job.gpu_memory_utilization * plan.available.bytes) - plan.phase_bytes(
-            "generation")
+    if job.on_gpu:  # as the generator: less what is allocated when it plans
+        total = plan.available.bytes
+        budget = gpu_cache_budget(total, total - plan.phase_bytes("generation"),
+                                  job.gpu_memory_utilization)
     else:
         budget = int(backend.cpu_kv_cache_mb * MiB)
     config = {"hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
