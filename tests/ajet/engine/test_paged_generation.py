@@ -7,7 +7,7 @@ than a prefill chunk, groups sharing a prompt, EOS, stop strings, max_new_tokens
 model's context, and sliding-window layers. Sampled replies carry the trainer's log-probs
 to 1e-5 (fp32). The decode step's CUDA-graph layout (padding rows) is run eagerly here:
 padding touches only the trash page. Weights changed in place change the next replies,
-and a pool released for an update comes back whole.
+a pool released for an update comes back whole, and PEFT adapters run unmerged.
 
 The contract tests shared with transformers' backend are in test_generation.py.
 """
@@ -370,3 +370,43 @@ def test_a_pool_released_for_an_update_comes_back_and_serves_the_same(policy: Po
     finally:
         gen.stop()
     assert first == reference(policy, ids, 16)[0].response_ids
+
+
+def test_a_peft_adapter_runs_unmerged_inside_the_step_as_the_reference(
+        policy: Policy) -> None:
+    """LoRA as the engine trains it: adapters on the projections, not merged."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(copy.deepcopy(policy.model), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"])).eval()
+    with torch.no_grad():  # peft starts B at zero: give the adapters an effect
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    variant = dataclasses.replace(policy, model=adapted)
+    prompts = {i: prompt(variant, 20 + 11 * i, fill=f"{i}lora ") for i in range(3)}
+    gen = paged(variant)
+    gen.start()
+    try:
+        replies = Replies(gen)
+        for key, ids in prompts.items():
+            replies.ask(key, ids, 16, temperature=0.0)
+            replies.ask(10 + key, ids, 16)  # sampled
+        got = {key: replies.result(key).response_ids for key in prompts}
+        sampled = [replies.result(10 + key) for key in prompts]
+    finally:
+        gen.stop()
+    assert got == {k: w.response_ids for k, w in reference(variant, prompts, 16).items()}
+    with torch.no_grad():
+        lp, _, _ = score_responses(adapted, [r.prompt_ids for r in sampled],
+                                   [r.response_ids for r in sampled], pad_id=policy.pad_id,
+                                   temperature=1.0, device=policy.device)
+        base, _, _ = score_responses(policy.model, [r.prompt_ids for r in sampled],
+                                     [r.response_ids for r in sampled], pad_id=policy.pad_id,
+                                     temperature=1.0, device=policy.device)
+    for row, result in enumerate(sampled):
+        n = len(result.response_ids)
+        assert result.logprobs == pytest.approx(lp[row, :n].tolist(), abs=1e-5)
+    assert (lp - base).abs().max() > 1e-2  # the adapters change what the model says
