@@ -278,12 +278,16 @@ class PagedRunner:
         page_size = self.pool.page_size
         slab = DecodeSlab(len(rows), max(r.position // page_size + 1 for r in rows))
         host = slab.pack(rows, page_size=page_size, trash_row=self._trash_row)
-        out = self._decode_step(host.to(self.device), slab, truncate).to("cpu")
+        out = self.decode_step(host.to(self.device), slab, truncate).to("cpu")
         return _pairs(out, len(rows))
 
-    def _decode_step(self, slab_tensor: torch.Tensor, slab: DecodeSlab, truncate: bool
-                     ) -> torch.Tensor:
-        """Forward, KV write, output head and sampling: (2, B) tokens and log-probs."""
+    def decode_step(self, slab_tensor: torch.Tensor, slab: DecodeSlab, truncate: bool
+                    ) -> torch.Tensor:
+        """Forward, KV write, output head and sampling: (2, B) tokens and log-probs.
+
+        This is what a CUDA graph captures, so it reads nothing back to the host and
+        builds no tensor from host data: every value comes from `slab_tensor`.
+        """
         assert self.pool is not None
         f = slab.unpack(slab_tensor)
         batch = PagedBatch(self.pool, slots=f["slots"].long(), block_tables=f["tables"],
@@ -365,13 +369,15 @@ class PagedRunner:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up: lazy initialisation happens outside capture
             for _ in range(2):
-                self._decode_step(static, slab, truncate)
+                self.decode_step(static, slab, truncate)
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_pool):
-            out = self._decode_step(static, slab, truncate)
+        # thread_local: a capture on the scheduler thread (the top-p family, on first use)
+        # must not fail because another thread of the engine touches the device meanwhile
+        with torch.cuda.graph(graph, pool=self._graph_pool, capture_error_mode="thread_local"):
+            out = self.decode_step(static, slab, truncate)
         torch.cuda.synchronize(self.device)
         self._addresses = self._current_addresses()
         self.captures += 1

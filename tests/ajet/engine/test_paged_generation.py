@@ -6,14 +6,17 @@ lengths around page boundaries, requests joining and cancelled mid-run, prompts 
 than a prefill chunk, groups sharing a prompt, EOS, stop strings, max_new_tokens, the
 model's context, and sliding-window layers. Sampled replies carry the trainer's log-probs
 to 1e-5 (fp32). The decode step's CUDA-graph layout (padding rows) is run eagerly here:
-padding touches only the trash page. Weights changed in place change the next replies,
-a pool released for an update comes back whole, and PEFT adapters run unmerged.
+padding touches only the trash page, and the step a graph captures runs on the meta
+device, where a read back to the host would fail. Weights changed in place change the
+next replies, a pool released for an update comes back whole, and PEFT adapters run
+unmerged.
 
 The contract tests shared with transformers' backend are in test_generation.py.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import threading
 import time
@@ -29,7 +32,7 @@ from ajet.engine.generation.interface import (
     GenerationResult,
 )
 from ajet.engine.generation.paged import PagedGenerator, PagedSettings
-from ajet.engine.generation.paged_runner import DecodeRow, DecodeSlab, Sampling
+from ajet.engine.generation.paged_runner import DecodeRow, DecodeSlab, PagedRunner, Sampling
 from ajet.engine.generation.recompute import RecomputeGenerator
 from ajet.engine.policy import Policy, load_policy, score_responses
 from ajet.engine.tiny import ensure_tiny_model
@@ -274,7 +277,7 @@ def test_padding_rows_of_a_graph_bucket_touch_only_the_trash_page(
                           sampling=settings, counter=0)]
         slab = DecodeSlab(8, 4)
         host = slab.pack(rows, page_size=pool.page_size, trash_row=runner.table_row([]))
-        out = runner._decode_step(host, slab, truncate=False)
+        out = runner.decode_step(host, slab, truncate=False)
         assert out.shape == (2, 8)
         changed = (pool.k != before_k).any(-1).any(-1) | (pool.v != before_v).any(-1).any(-1)
         written = {(page, slot) for _, page, slot in changed.nonzero().tolist()}
@@ -283,6 +286,23 @@ def test_padding_rows_of_a_graph_bucket_touch_only_the_trash_page(
                                                                           (9, 3)}
         eager = runner.decode(rows)  # the same two rows without padding
         assert [t for t, _ in eager] == out[0, :2].long().tolist()
+
+
+@pytest.mark.parametrize("truncate", [False, True], ids=["plain", "top_p"])
+def test_the_captured_decode_step_never_syncs_with_the_host(policy: Policy,
+                                                             truncate: bool) -> None:
+    """A CUDA graph cannot hold a read back to the host (`.item()`, `.tolist()`, a
+    data-dependent shape) or a tensor built from host data; on the meta device, which has
+    no data, either fails, so the step a graph captures runs here as it would be captured
+    (both graph families, a padded bucket of 8 rows)."""
+    model = copy.deepcopy(policy.model).to("meta")
+    settings = PagedSettings(max_request_tokens=128, concurrency=8, gpu_memory_utilization=0.9,
+                             cpu_kv_cache_mb=8, cpu_prefill_tokens=CHUNK, page_size=PAGE)
+    runner = PagedRunner(model, settings.plan(model), kernel="torch", cuda_graphs=False)
+    slab = DecodeSlab(8, runner.max_pages)
+    host = slab.pack([], page_size=PAGE, trash_row=runner.table_row([]))  # all padding
+    out = runner.decode_step(host.to("meta"), slab, truncate)
+    assert out.device.type == "meta" and out.shape == (2, 8)
 
 
 def test_weights_changed_in_place_change_the_next_replies(
