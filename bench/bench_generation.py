@@ -145,6 +145,7 @@ def measure_generation(*, reps: int, quick: bool) -> list[GenerationFigures]:
     import torch
 
     from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
+    from ajet.engine.generation.interface import PolicyView
     from ajet.engine.generation.paged import PagedGenerator, PagedSettings
     from ajet.engine.generation.recompute import RecomputeGenerator
 
@@ -158,13 +159,11 @@ def measure_generation(*, reps: int, quick: bool) -> list[GenerationFigures]:
         vocab = policy.model.config.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(requests)]
         firsts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(reps)]
-        common = dict(model_source=lambda policy=policy: policy.model, decode=policy.decode,
-                      eos_ids=policy.eos_ids, max_positions=policy.max_positions,
-                      temperature=1.0, top_p=1.0, seed=0)
-        kv = ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+        view = PolicyView.of(policy, temperature=1.0, top_p=1.0, seed=0)
+        kv = ContinuousBatchingGenerator(view, CacheSettings(
             max_request_tokens=prompt_len + new_tokens, concurrency=requests,
             gpu_memory_utilization=0.85, cpu_kv_cache_mb=64, cpu_max_batch_tokens=256))
-        paged = PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+        paged = PagedGenerator(view, PagedSettings(
             max_request_tokens=prompt_len + new_tokens, concurrency=requests,
             gpu_memory_utilization=0.85, cpu_kv_cache_mb=64, cpu_prefill_tokens=256))
         big = name == "qwen2-50m" and not quick

@@ -140,18 +140,19 @@ def generator(model: torch.nn.Module, backend: str, *, concurrency: int = CONCUR
         CacheSettings,
         ContinuousBatchingGenerator,
     )
+    from ajet.engine.generation.interface import PolicyView
     from ajet.engine.generation.paged import PagedGenerator, PagedSettings
 
-    common = dict(model_source=lambda: model, decode=_Ids().decode, eos_ids=frozenset({-1}),
-                  max_positions=int(model.config.max_position_embeddings),
-                  temperature=temperature, top_p=1.0, seed=seed)
+    view = PolicyView(model_source=lambda: model, decode=_Ids().decode, eos_ids=frozenset({-1}),
+                      max_positions=int(model.config.max_position_embeddings),
+                      temperature=temperature, top_p=1.0, seed=seed)
     tokens = PROMPT_TOKENS + NEW_TOKENS
     if backend == "paged":
-        gen: Any = PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+        gen: Any = PagedGenerator(view, PagedSettings(
             max_request_tokens=tokens, concurrency=concurrency, gpu_memory_utilization=0.85,
             cpu_kv_cache_mb=64, cpu_prefill_tokens=256, cuda_graphs=cuda_graphs))
     else:
-        gen = ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+        gen = ContinuousBatchingGenerator(view, CacheSettings(
             max_request_tokens=tokens, concurrency=concurrency, gpu_memory_utilization=0.85,
             cpu_kv_cache_mb=64, cpu_max_batch_tokens=256, use_cuda_graph=use_cuda_graph))
     gen.start()

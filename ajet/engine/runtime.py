@@ -351,6 +351,7 @@ def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = Non
     memory planner sizes the same KV cache (`kv_cache.generation_concurrency`). `seed`
     (default the job's) moves on with the step in a resumed run. `keep_pool`: the paged
     backend keeps its pool across updates (the memory plan says whether it fits)."""
+    from ajet.engine.generation.interface import PolicyView
     from ajet.engine.generation.kv_cache import generation_concurrency
 
     seed = cfg.seed if seed is None else seed
@@ -364,13 +365,11 @@ def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = Non
                     "AJET_ENGINE_GENERATION=recompute")
         return RecomputeGenerator(policy, temperature=cfg.temperature, top_p=cfg.top_p,
                                   max_batch=cfg.max_generation_batch, seed=seed)
-    common = dict(model_source=lambda: policy.model, decode=policy.decode,
-                  eos_ids=policy.eos_ids, max_positions=policy.max_positions,
-                  temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
+    view = PolicyView.of(policy, temperature=cfg.temperature, top_p=cfg.top_p, seed=seed)
     if backend == "paged":
         from ajet.engine.generation.paged import PagedGenerator, PagedSettings
 
-        return PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+        return PagedGenerator(view, PagedSettings(
             max_request_tokens=max_request_tokens, concurrency=concurrency,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_prefill_tokens=cfg.cpu_max_batch_tokens,
@@ -382,7 +381,7 @@ def build_generator(cfg: EngineConfig, policy: Policy, *, seed: int | None = Non
                          "or AJET_ENGINE_GENERATION)")
     from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
 
-    return ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+    return ContinuousBatchingGenerator(view, CacheSettings(
         max_request_tokens=max_request_tokens, concurrency=concurrency,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         cpu_kv_cache_mb=cfg.cpu_kv_cache_mb, cpu_max_batch_tokens=cfg.cpu_max_batch_tokens,

@@ -39,7 +39,6 @@ import collections
 import itertools
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,8 +50,8 @@ from ajet.engine.generation.interface import (
     GenerationRequest,
     GenerationResult,
     Generator,
+    PolicyView,
     ReplyText,
-    effective_sampling,
     token_budget,
 )
 from ajet.engine.generation.kv_cache import (
@@ -138,20 +137,10 @@ class _Live:
 class ContinuousBatchingGenerator(Generator):
     """`submit` from any thread; `start`, `stop`, `pause`, `resume` from the owner."""
 
-    def __init__(self, *, model_source: Callable[[], Any], decode: Callable[[list[int]], str],
-                 eos_ids: frozenset[int], max_positions: int, temperature: float,
-                 top_p: float, seed: int, cache: CacheSettings, name: str = "generator"
-                 ) -> None:
+    def __init__(self, policy: PolicyView, cache: CacheSettings, *,
+                 name: str = "generator") -> None:
         require_continuous_batching()
-        #: The module to generate with, asked again at every resume (an FSDP run hands
-        #: an unsharded inference copy here; otherwise it is the policy's model).
-        self._model_source = model_source
-        self._decode = decode
-        self._eos = frozenset(eos_ids)
-        self._max_positions = max_positions
-        self._temperature = temperature
-        self._top_p = top_p
-        self._seed = seed
+        self._policy = policy
         self._cache = cache
         self._name = name
         self._lock = threading.Condition()
@@ -198,7 +187,7 @@ class ContinuousBatchingGenerator(Generator):
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         max_new = self._budget(request)
         streaming = request.on_delta is not None or bool(request.stop)
-        live = _Live(request=request, reply=ReplyText(self._decode, request.stop),
+        live = _Live(request=request, reply=ReplyText(self._policy.decode, request.stop),
                      streaming=streaming, max_new=max_new)
         live.handle = GenerationHandle(request, on_cancel=lambda _h: self._cancel(live))
         with self._lock:
@@ -223,7 +212,7 @@ class ContinuousBatchingGenerator(Generator):
         restart: list[_Live] = []
         for live in caught:
             if live.reply.emitted == 0 and not live.handle.done:  # type: ignore[union-attr]
-                live.reply = ReplyText(self._decode, live.request.stop)
+                live.reply = ReplyText(self._policy.decode, live.request.stop)
                 restart.append(live)
             else:
                 self.counters["interrupted"] += 1
@@ -248,7 +237,7 @@ class ContinuousBatchingGenerator(Generator):
 
     def _budget(self, request: GenerationRequest) -> int:
         """The request's token budget; refuses what can never be served."""
-        return token_budget(request, max_positions=self._max_positions,
+        return token_budget(request, max_positions=self._policy.max_positions,
                             capacity=self._plan.tokens if self._plan is not None else None)
 
     def _add(self, live: _Live) -> None:
@@ -257,16 +246,16 @@ class ContinuousBatchingGenerator(Generator):
         assert manager is not None  # the callers checked, under the same lock
         live.rid = f"{self._epoch}-{next(self._ids)}"
         self._live[live.rid] = live
-        temperature, top_p = effective_sampling(live.request, self._temperature, self._top_p)
+        temperature, top_p = self._policy.sampling_for(live.request)
         overrides: dict[str, float] = {}
-        if temperature != self._temperature:
+        if temperature != self._policy.temperature:
             overrides["temperature"] = temperature
-        if top_p != self._top_p:
+        if top_p != self._policy.top_p:
             overrides["top_p"] = top_p
         added = manager.add_request(
             list(live.request.prompt_ids), request_id=live.rid,
             max_new_tokens=live.max_new, streaming=live.streaming,
-            eos_token_id=sorted(self._eos), **overrides)
+            eos_token_id=sorted(self._policy.eos_ids), **overrides)
         if added is None:  # the manager stopped accepting (it crashed): the collector
             del self._live[live.rid]  # restarts it; this request waits for that
             live.rid = None
@@ -329,8 +318,8 @@ class ContinuousBatchingGenerator(Generator):
                     if not live.streaming:
                         live.reply.update(tokens, done=True)
                     self.counters["tokens"] += len(tokens)
-                    reason = ("stop" if live.reply.stopped or (tokens and tokens[-1] in self._eos)
-                              else "length")
+                    ended = live.reply.stopped or (tokens and tokens[-1] in self._policy.eos_ids)
+                    reason = "stop" if ended else "length"
                     outcome = GenerationResult(
                         prompt_ids=list(live.request.prompt_ids), response_ids=tokens,
                         logprobs=[float(x) for x in output.logprobs[:len(tokens)]],
@@ -379,7 +368,8 @@ class ContinuousBatchingGenerator(Generator):
         """A started manager with a fresh KV cache on the model's current weights."""
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
-        model = self._model_source()
+        policy = self._policy
+        model = policy.model_source()
         plan = self._cache.plan(model)
         if plan != self._plan:
             log.info("%s: %s", self._name, plan.summary())
@@ -396,17 +386,17 @@ class ContinuousBatchingGenerator(Generator):
                else {"use_cuda_graph": self._cache.use_cuda_graph}),
             # a new seed per manager: one per step, so steps do not replay the same draws
             # (transformers adds the data-parallel rank, so ranks differ too)
-            seed=self._seed + 7919 * self._epoch, **_page_size(ContinuousBatchingConfig,
+            seed=policy.seed + 7919 * self._epoch, **_page_size(ContinuousBatchingConfig,
                                                                 plan.page_size))
         generation = GenerationConfig(
-            do_sample=True, temperature=self._temperature, top_p=self._top_p, top_k=0,
-            eos_token_id=sorted(self._eos), max_new_tokens=plan.max_request_tokens)
+            do_sample=True, temperature=policy.temperature, top_p=policy.top_p, top_k=0,
+            eos_token_id=sorted(policy.eos_ids), max_new_tokens=plan.max_request_tokens)
         manager = model.init_continuous_batching(generation_config=generation,
                                                  continuous_batching_config=cb)
         # Both samplers are always present, so a request may set its own temperature or
         # top_p (transformers leaves out a processor whose value is 1.0, and then refuses
         # per-request values for it). At 1.0 they change no probability.
-        manager.logit_processor = _samplers(self._temperature, self._top_p)
+        manager.logit_processor = _samplers(policy.temperature, policy.top_p)
         manager.start()
         return manager
 

@@ -1,11 +1,14 @@
 """The generation interface: what the episode plane asks of whatever generates tokens.
 
-The chat routes (`plane/openai_api.py`, `plane/responses_api.py`) build a `GenerationRequest` and hand it to a `Generator`;
-its deltas and its one `GenerationResult` come back through the request's callbacks.
-Behind the interface sits one backend module:
+The chat routes (`plane/openai_api.py`, `plane/responses_api.py`) build a
+`GenerationRequest` and hand it to a `Generator`; its deltas and its one
+`GenerationResult` come back through the request's callbacks.
+Behind the interface sits one backend module (the job's `generation_backend`):
 
+    paged.py                 our paged KV pool, scheduler and CUDA-graphed decode step
+                             over the model's own Hugging Face code (docs/generation.md)
     continuous_batching.py   transformers' continuous-batching engine: paged KV cache,
-                             requests join and leave between forward passes (the default)
+                             requests join and leave between forward passes
     recompute.py             the first engine's loop, recomputing every prefix per token;
                              kept as the benchmark's reference and as a fallback
                              (`AJET_ENGINE_GENERATION=recompute`)
@@ -39,7 +42,10 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ajet.engine.policy import Policy
 
 __all__ = [
     "GenerationCancelled",
@@ -50,6 +56,7 @@ __all__ = [
     "GenerationResult",
     "Generator",
     "MIN_TEMPERATURE",
+    "PolicyView",
     "ReplyText",
     "effective_sampling",
     "token_budget",
@@ -186,6 +193,33 @@ class Generator(abc.ABC):
             yield
         finally:
             self.resume()
+
+
+@dataclass(frozen=True)
+class PolicyView:
+    """What a KV-cached backend takes from the policy: the model, its tokenizer's decode,
+    its EOS ids and context, and the job's sampling for requests that set none."""
+
+    #: the module to generate with, asked again at every start and resume (an FSDP run
+    #: hands its unsharded inference copy here; otherwise it is the policy's model)
+    model_source: Callable[[], Any]
+    decode: Callable[[list[int]], str]
+    eos_ids: frozenset[int]
+    max_positions: int
+    temperature: float
+    top_p: float
+    seed: int
+
+    @classmethod
+    def of(cls, policy: Policy, *, temperature: float, top_p: float, seed: int
+           ) -> PolicyView:
+        return cls(model_source=lambda: policy.model, decode=policy.decode,
+                   eos_ids=policy.eos_ids, max_positions=policy.max_positions,
+                   temperature=temperature, top_p=top_p, seed=seed)
+
+    def sampling_for(self, request: GenerationRequest) -> tuple[float, float]:
+        """(temperature, top_p) for `request`: `effective_sampling` with the job's."""
+        return effective_sampling(request, self.temperature, self.top_p)
 
 
 def token_budget(request: GenerationRequest, *, max_positions: int,

@@ -36,7 +36,6 @@ import collections
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,8 +47,8 @@ from ajet.engine.generation.interface import (
     GenerationRequest,
     GenerationResult,
     Generator,
+    PolicyView,
     ReplyText,
-    effective_sampling,
     token_budget,
 )
 from ajet.engine.generation.kv_cache import MiB, PoolPlan, gpu_cache_budget, plan_paged_pool
@@ -150,19 +149,9 @@ class _Live:
 class PagedGenerator(Generator):
     """`submit` from any thread; `start`, `stop`, `pause`, `resume` from the owner."""
 
-    def __init__(self, *, model_source: Callable[[], Any], decode: Callable[[list[int]], str],
-                 eos_ids: frozenset[int], max_positions: int, temperature: float,
-                 top_p: float, seed: int, settings: PagedSettings, name: str = "generator"
-                 ) -> None:
-        #: the module to generate with, asked again at every resume (an FSDP run hands
-        #: an unsharded inference copy here; otherwise it is the policy's model)
-        self._model_source = model_source
-        self._decode = decode
-        self._eos = frozenset(eos_ids)
-        self._max_positions = max_positions
-        self._temperature = temperature
-        self._top_p = top_p
-        self._seed = seed
+    def __init__(self, policy: PolicyView, settings: PagedSettings, *,
+                 name: str = "generator") -> None:
+        self._policy = policy
         self._settings = settings
         self._name = name
         self._runner: PagedRunner | None = None
@@ -184,7 +173,7 @@ class PagedGenerator(Generator):
     # ------------------------------------------------------------------ Generator
 
     def start(self) -> None:
-        model = self._model_source()
+        model = self._policy.model_source()
         plan = self._settings.plan(model)
         log.info("%s: %s", self._name, plan.summary())
         self._runner = PagedRunner(model, plan, kernel=self._settings.kernel,
@@ -210,12 +199,12 @@ class PagedGenerator(Generator):
 
     def submit(self, request: GenerationRequest) -> GenerationHandle:
         max_new = self._budget(request)
-        temperature, top_p = effective_sampling(request, self._temperature, self._top_p)
+        temperature, top_p = self._policy.sampling_for(request)
         streaming = request.on_delta is not None or bool(request.stop)
         handle = GenerationHandle(request, on_cancel=lambda h: self._cancel(live))
         live = _Live(handle=handle, max_new=max_new,
                      sampling=Sampling(temperature=temperature, top_p=top_p, top_k=0, seed=0),
-                     reply=ReplyText(self._decode, request.stop) if streaming else None,
+                     reply=ReplyText(self._policy.decode, request.stop) if streaming else None,
                      tokens=list(request.prompt_ids), prompt_len=len(request.prompt_ids))
         with self._cond:
             if self._closing:
@@ -254,7 +243,7 @@ class PagedGenerator(Generator):
             if not self._paused:
                 return
         if self._runner is not None:
-            self._runner.refresh(self._model_source())
+            self._runner.refresh(self._policy.model_source())
             self._runner.capture_all()
         with self._cond:
             self._paused = False
@@ -275,7 +264,7 @@ class PagedGenerator(Generator):
         """The request's token budget; refuses what can never be served (longer than a
         request's share of the pool: its pages in the decode step's page table)."""
         plan = self._runner.plan if self._runner is not None else None
-        return token_budget(request, max_positions=self._max_positions,
+        return token_budget(request, max_positions=self._policy.max_positions,
                             capacity=min(plan.tokens, plan.max_request_tokens) if plan else None)
 
     def _cancel(self, live: _Live) -> None:
@@ -294,7 +283,7 @@ class PagedGenerator(Generator):
         live.pages, live.keys, live.computed, live.marked = [], [], 0, 0
         live.table = None
         if live.reply is not None:
-            live.reply = ReplyText(self._decode, live.request.stop)
+            live.reply = ReplyText(self._policy.decode, live.request.stop)
 
     # ------------------------------------------------------------------ the scheduler
 
@@ -387,7 +376,7 @@ class PagedGenerator(Generator):
                 for index in range(len(shared), len(keys)):
                     self._pages.register(live.pages[index], keys[index], ready=False)
             self._admitted += 1
-            live.sampling = _seeded(live.sampling, self._seed, self._admitted)
+            live.sampling = _seeded(live.sampling, self._policy.seed, self._admitted)
             self._running.append(live)
         self._waiting.extendleft(reversed(deferred))
 
@@ -466,10 +455,10 @@ class PagedGenerator(Generator):
         if live.reply is not None:  # the only requests whose text is needed per token
             deltas.append((live, live.reply.update(live.generated)))
             stopped = live.reply.stopped
-        if token in self._eos or stopped:
+        if token in self._policy.eos_ids or stopped:
             reason = "stop"
         elif (len(live.logprobs) >= live.max_new
-              or len(live.tokens) >= self._max_positions):
+              or len(live.tokens) >= self._policy.max_positions):
             reason = "length"
         else:
             return
@@ -478,7 +467,7 @@ class PagedGenerator(Generator):
             deltas.append((live, live.reply.update(generated, done=True)))
             text = live.reply.text
         else:
-            text = self._decode(generated)
+            text = self._policy.decode(generated)
         self._release(live)
         finished.append((live, GenerationResult(
             prompt_ids=list(live.request.prompt_ids), response_ids=generated,

@@ -14,7 +14,12 @@ from ajet.errors import SwarmValidationError
 from ajet.engine.plane.chat_format import QWEN25_RESPONSE_TEMPLATE, ChatFormat, FormatError
 from ajet.engine.plane.episodes import EVAL_EPISODE, TRAIN_EPISODE, EpisodeRegistry
 from ajet.engine.generation.continuous_batching import CacheSettings, ContinuousBatchingGenerator
-from ajet.engine.generation.interface import GenerationRequest, GenerationResult, Generator
+from ajet.engine.generation.interface import (
+    GenerationRequest,
+    GenerationResult,
+    Generator,
+    PolicyView,
+)
 from ajet.engine.plane.request_policy import (
     check_parameters,
     resolve_sampling,
@@ -162,10 +167,9 @@ def _recompute(policy: Policy) -> Generator:
 
 def _kv_cached(policy: Policy) -> Generator:
     return ContinuousBatchingGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=1.0, top_p=1.0, seed=0,
-        cache=CacheSettings(max_request_tokens=256, concurrency=8, gpu_memory_utilization=0.9,
-                            cpu_kv_cache_mb=16, cpu_max_batch_tokens=256))
+        PolicyView.of(policy, temperature=1.0, top_p=1.0, seed=0),
+        CacheSettings(max_request_tokens=256, concurrency=8, gpu_memory_utilization=0.9,
+                      cpu_kv_cache_mb=16, cpu_max_batch_tokens=256))
 
 
 @pytest.mark.parametrize("backend", [_kv_cached, _recompute], ids=["kv_cached", "recompute"])

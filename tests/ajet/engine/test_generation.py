@@ -29,6 +29,7 @@ from ajet.engine.generation.interface import (
     GenerationRequest,
     GenerationResult,
     Generator,
+    PolicyView,
     ReplyText,
 )
 from ajet.engine.generation.paged import PagedGenerator, PagedSettings
@@ -71,15 +72,13 @@ def make_generator(backend: str, policy: Policy, *, temperature: float,
                    max_request_tokens: int, concurrency: int, cache_mb: float,
                    batch_tokens: int) -> Generator:
     """A generator of `backend` on the policy's model, its cache sized by the arguments."""
-    common = dict(model_source=lambda: policy.model, decode=policy.decode,
-                  eos_ids=policy.eos_ids, max_positions=policy.max_positions,
-                  temperature=temperature, top_p=1.0, seed=0)
+    view = PolicyView.of(policy, temperature=temperature, top_p=1.0, seed=0)
     if backend == "paged":
-        return PagedGenerator(**common, settings=PagedSettings(  # type: ignore[arg-type]
+        return PagedGenerator(view, PagedSettings(
             max_request_tokens=max_request_tokens, concurrency=concurrency,
             gpu_memory_utilization=0.9, cpu_kv_cache_mb=cache_mb,
             cpu_prefill_tokens=batch_tokens))
-    return ContinuousBatchingGenerator(**common, cache=CacheSettings(  # type: ignore[arg-type]
+    return ContinuousBatchingGenerator(view, CacheSettings(
         max_request_tokens=max_request_tokens, concurrency=concurrency,
         gpu_memory_utilization=0.9, cpu_kv_cache_mb=cache_mb,
         cpu_max_batch_tokens=batch_tokens))

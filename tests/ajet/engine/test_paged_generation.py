@@ -30,6 +30,7 @@ from ajet.engine.generation.interface import (
     GenerationCancelled,
     GenerationRequest,
     GenerationResult,
+    PolicyView,
 )
 from ajet.engine.generation.paged import PagedGenerator, PagedSettings
 from ajet.engine.generation.paged_runner import DecodeRow, DecodeSlab, PagedRunner, Sampling
@@ -51,12 +52,10 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Policy:
 def paged(policy: Policy, *, temperature: float = 1.0, top_p: float = 1.0,
           max_request_tokens: int = 512, concurrency: int = 16) -> PagedGenerator:
     return PagedGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=temperature, top_p=top_p, seed=0,
-        settings=PagedSettings(max_request_tokens=max_request_tokens,
-                               concurrency=concurrency, gpu_memory_utilization=0.9,
-                               cpu_kv_cache_mb=8, cpu_prefill_tokens=CHUNK,
-                               page_size=PAGE))
+        PolicyView.of(policy, temperature=temperature, top_p=top_p, seed=0),
+        PagedSettings(max_request_tokens=max_request_tokens, concurrency=concurrency,
+                      gpu_memory_utilization=0.9, cpu_kv_cache_mb=8,
+                      cpu_prefill_tokens=CHUNK, page_size=PAGE))
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +111,38 @@ def reference(policy: Policy, prompts: dict[int, list[int]], n: int,
 def prompt(policy: Policy, chars: int, *, fill: str = "x") -> list[int]:
     """A chat prompt; ajet-tiny's tokenizer gives one token per character."""
     return policy.render_chat([{"role": "user", "content": (fill * chars)[:chars]}])
+
+
+def trainer_logprobs(policy: Policy, model: torch.nn.Module, results: list[GenerationResult],
+                     *, temperature: float = 1.0) -> list[float]:
+    """What the trainer computes for the replies' tokens with `model`, reply by reply."""
+    with torch.no_grad():
+        lp, _, _ = score_responses(model, [r.prompt_ids for r in results],
+                                   [r.response_ids for r in results], pad_id=policy.pad_id,
+                                   temperature=temperature, device=policy.device)
+    return [x for row, r in enumerate(results) for x in lp[row, :len(r.response_ids)].tolist()]
+
+
+def exact_then_sampled(policy: Policy, model: torch.nn.Module, lengths: list[int], *,
+                       fill: str, new_tokens: int) -> list[GenerationResult]:
+    """`model` behind the paged backend: greedy replies to prompts of `lengths` are
+    token-exact against the reference on it; returns one sampled reply per prompt."""
+    variant = dataclasses.replace(policy, model=model)
+    prompts = {i: prompt(variant, n, fill=f"{i}{fill}") for i, n in enumerate(lengths)}
+    gen = paged(variant)
+    gen.start()
+    try:
+        replies = Replies(gen)
+        for key, ids in prompts.items():
+            replies.ask(key, ids, new_tokens, temperature=0.0)
+            replies.ask(10 + key, ids, new_tokens)  # sampled
+        got = {key: replies.result(key).response_ids for key in prompts}
+        sampled = [replies.result(10 + key) for key in prompts]
+    finally:
+        gen.stop()
+    want = reference(variant, prompts, new_tokens)
+    assert got == {key: w.response_ids for key, w in want.items()}
+    return sampled
 
 
 def test_greedy_replies_are_token_exact_around_page_boundaries_and_chunks(
@@ -237,15 +268,11 @@ def test_sampled_log_probs_are_the_trainers_and_a_request_draws_the_same_in_any_
         for key, ids in prompts.items():
             replies.ask(key, ids, 20)
         sampled = {key: replies.result(key) for key in prompts}
-        with gen.paused(), torch.no_grad():
-            keys = sorted(sampled)
-            lp, _, _ = score_responses(policy.model, [sampled[k].prompt_ids for k in keys],
-                                       [sampled[k].response_ids for k in keys],
-                                       pad_id=policy.pad_id, temperature=0.7,
-                                       device=policy.device)
-        for row, key in enumerate(keys):
-            n = len(sampled[key].response_ids)
-            assert sampled[key].logprobs == pytest.approx(lp[row, :n].tolist(), abs=1e-5)
+        with gen.paused():
+            scored = trainer_logprobs(policy, policy.model, list(sampled.values()),
+                                      temperature=0.7)
+        assert [x for r in sampled.values() for x in r.logprobs] == pytest.approx(scored,
+                                                                                 abs=1e-5)
     finally:
         gen.stop()
     # counter-based noise: the same admission order gives the same draws whether a
@@ -335,46 +362,22 @@ def test_sliding_window_layers_read_only_their_window_as_the_reference(
     windowed = AutoModelForCausalLM.from_pretrained(
         policy.path, dtype=torch.float32, use_sliding_window=True, sliding_window=24,
         max_window_layers=0, layer_types=["sliding_attention"] * 2).eval()
-    variant = dataclasses.replace(policy, model=windowed)
-    prompts = {i: prompt(variant, 30 + 17 * i, fill=f"{i}window ") for i in range(3)}
-    gen = paged(variant)
-    gen.start()
-    try:
-        replies = Replies(gen)
-        for key, ids in prompts.items():
-            replies.ask(key, ids, 20, temperature=0.0)
-            replies.ask(10 + key, ids, 20)  # sampled
-        got = {key: replies.result(key).response_ids for key in prompts}
-        sampled = [replies.result(10 + key) for key in prompts]
-    finally:
-        gen.stop()
-    want = reference(variant, prompts, 20)
-    assert got == {key: w.response_ids for key, w in want.items()}
-
-    def scores(model: torch.nn.Module) -> list[float]:
-        with torch.no_grad():
-            lp, _, _ = score_responses(model, [r.prompt_ids for r in sampled],
-                                       [r.response_ids for r in sampled],
-                                       pad_id=policy.pad_id, temperature=1.0,
-                                       device=policy.device)
-        return [x for row, r in enumerate(sampled)
-                for x in lp[row, :len(r.response_ids)].tolist()]
-
+    sampled = exact_then_sampled(policy, windowed, [30, 47, 64], fill="window ",
+                                 new_tokens=20)
     drawn = [x for r in sampled for x in r.logprobs]
-    assert drawn == pytest.approx(scores(windowed), abs=1e-5)
+    assert drawn == pytest.approx(trainer_logprobs(policy, windowed, sampled), abs=1e-5)
     # the window matters for these prompts: the full-attention model scores them apart
-    assert max(abs(a - b) for a, b in zip(drawn, scores(policy.model), strict=True)) > 1e-3
+    base = trainer_logprobs(policy, policy.model, sampled)
+    assert max(abs(a - b) for a, b in zip(drawn, base, strict=True)) > 1e-3
 
 
 def test_a_pool_released_for_an_update_comes_back_and_serves_the_same(policy: Policy) -> None:
     """`keep_pool=False` (the memory plan says the pool does not fit beside the update):
     pause frees the pool, resume allocates it again, replies stay exact."""
     gen = PagedGenerator(
-        model_source=lambda: policy.model, decode=policy.decode, eos_ids=policy.eos_ids,
-        max_positions=policy.max_positions, temperature=1.0, top_p=1.0, seed=0,
-        settings=PagedSettings(max_request_tokens=256, concurrency=4,
-                               gpu_memory_utilization=0.9, cpu_kv_cache_mb=2,
-                               cpu_prefill_tokens=CHUNK, keep_pool=False))
+        PolicyView.of(policy, temperature=1.0, top_p=1.0, seed=0),
+        PagedSettings(max_request_tokens=256, concurrency=4, gpu_memory_utilization=0.9,
+                      cpu_kv_cache_mb=2, cpu_prefill_tokens=CHUNK, keep_pool=False))
     ids = {0: prompt(policy, 40, fill="pool ")}
     gen.start()
     try:
@@ -395,8 +398,6 @@ def test_a_pool_released_for_an_update_comes_back_and_serves_the_same(policy: Po
 def test_a_peft_adapter_runs_unmerged_inside_the_step_as_the_reference(
         policy: Policy) -> None:
     """LoRA as the engine trains it: adapters on the projections, not merged."""
-    import copy
-
     from peft import LoraConfig, get_peft_model
 
     adapted = get_peft_model(copy.deepcopy(policy.model), LoraConfig(
@@ -405,28 +406,9 @@ def test_a_peft_adapter_runs_unmerged_inside_the_step_as_the_reference(
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)
-    variant = dataclasses.replace(policy, model=adapted)
-    prompts = {i: prompt(variant, 20 + 11 * i, fill=f"{i}lora ") for i in range(3)}
-    gen = paged(variant)
-    gen.start()
-    try:
-        replies = Replies(gen)
-        for key, ids in prompts.items():
-            replies.ask(key, ids, 16, temperature=0.0)
-            replies.ask(10 + key, ids, 16)  # sampled
-        got = {key: replies.result(key).response_ids for key in prompts}
-        sampled = [replies.result(10 + key) for key in prompts]
-    finally:
-        gen.stop()
-    assert got == {k: w.response_ids for k, w in reference(variant, prompts, 16).items()}
-    with torch.no_grad():
-        lp, _, _ = score_responses(adapted, [r.prompt_ids for r in sampled],
-                                   [r.response_ids for r in sampled], pad_id=policy.pad_id,
-                                   temperature=1.0, device=policy.device)
-        base, _, _ = score_responses(policy.model, [r.prompt_ids for r in sampled],
-                                     [r.response_ids for r in sampled], pad_id=policy.pad_id,
-                                     temperature=1.0, device=policy.device)
-    for row, result in enumerate(sampled):
-        n = len(result.response_ids)
-        assert result.logprobs == pytest.approx(lp[row, :n].tolist(), abs=1e-5)
-    assert (lp - base).abs().max() > 1e-2  # the adapters change what the model says
+    sampled = exact_then_sampled(policy, adapted, [20, 31, 42], fill="lora ", new_tokens=16)
+    drawn = [x for r in sampled for x in r.logprobs]
+    assert drawn == pytest.approx(trainer_logprobs(policy, adapted, sampled), abs=1e-5)
+    base = trainer_logprobs(policy, policy.model, sampled)
+    # the adapters change what the model says
+    assert max(abs(a - b) for a, b in zip(drawn, base, strict=True)) > 1e-2
