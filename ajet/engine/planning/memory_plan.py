@@ -111,6 +111,13 @@ _CPU_ALLOCATOR_SLACK = 0.38
 #: measured as the resident set above transformers' own footprint of the paged cache
 #: (bench/memory_plan_probe.py, ajet-tiny and the 50M model: 5-6 MiB after the slack).
 _CPU_DECODING_RUNTIME = 6 * MiB
+#: CPU, the paged backend: the same for its scheduler thread (its own malloc arena) and
+#: its first steps, measured as the resident peak above its pool and working tensors
+#: (bench/memory_plan_probe.py: 10-13 MiB for ajet-tiny, 5-9 MiB for the 50M model).
+#: Its tensors carry no heap slack: the pool is allocated once and every step allocates
+#: the same sizes again, so glibc reuses the freed blocks exactly (measured: the peak is
+#: the pool, the working tensors and this, with nothing proportional to them on top).
+_CPU_PAGED_RUNTIME = 10 * MiB
 #: Bytes per batch token of transformers' input and output index tensors (the bulk
 #: input, the output ids, the write and read indices): ~60 B; a rounded upper bound.
 _CB_IO_BYTES_PER_TOKEN = 64
@@ -484,6 +491,9 @@ class Term:
     #: made by the first update (AdamW's moments, autograd's pages): absent from a run's
     #: first rollout, which comes before it
     steady: bool = False
+    #: CPU: glibc's retained heap (`_CPU_ALLOCATOR_SLACK`) comes on top; False for
+    #: tensors allocated once or at the same sizes every step (the paged backend's)
+    cpu_heap_slack: bool = True
 
 
 @dataclass(frozen=True)
@@ -539,9 +549,10 @@ class MemoryPlan:
                 if phase in t.phases and not (first_rollout and t.steady)]
 
     def slack_bytes(self, phase: str, *, first_rollout: bool = False) -> int:
-        kinds = ("model", "state", "transient") if self.job.on_gpu else ("state", "transient")
+        gpu = self.job.on_gpu
+        kinds = ("model", "state", "transient") if gpu else ("state", "transient")
         return int(self.slack_share * sum(t.bytes for t in self._present(phase, first_rollout)
-                                          if t.kind in kinds))
+                                          if t.kind in kinds and (gpu or t.cpu_heap_slack)))
 
     def phase_bytes(self, phase: str, *, first_rollout: bool = False) -> int:
         """Every term of `phase` plus the allocator's slack (`first_rollout`: before the
@@ -960,12 +971,13 @@ def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
                       <= plan.available.bytes)
     phases = _TRAINING if plan.pool_kept else ("generation",)
     plan.terms.append(Term(f"paged KV pool ({pool.tokens} tokens, pages of "
-                           f"{pool.page_size})", pool.pool_bytes, "transient", phases))
+                           f"{pool.page_size})", pool.pool_bytes, "transient", phases,
+                           cpu_heap_slack=False))
     plan.terms.append(Term("paged decode step (CUDA graph pool) or prefill chunk",
-                           pool.working_bytes, "transient", phases))
+                           pool.working_bytes, "transient", phases, cpu_heap_slack=False))
     if not job.on_gpu:
-        plan.terms.append(Term("torch kernels for decoding (CPU)", _CPU_DECODING_RUNTIME,
-                               "runtime", ("generation",)))
+        plan.terms.append(Term("scheduler thread and torch kernels for decoding (CPU)",
+                               _CPU_PAGED_RUNTIME, "runtime", ("generation",)))
 
 
 def paged_cache_footprint(shape: ModelShape, cache: CachePlan, *, dtype_bytes: int,
