@@ -135,7 +135,10 @@ def test_fifty_workers_with_random_aborts_and_hangs_count_each_episode_once(
                                    max_attempts=1000)
             runner.start()
             deadline = time.monotonic() + 90
-            while len(metric_lines(srv, run_id)) < steps_before + 4 or hangs[0] < 2:
+            # until a hung episode has come back and been redone: one still asleep when
+            # the runner stops is aborted as stopped, not counted as re-queued
+            while (len(metric_lines(srv, run_id)) < steps_before + 4 or hangs[0] < 2
+                   or runner.stats().episodes_requeued < 1):
                 assert time.monotonic() < deadline, runner.stats()
                 assert runner.running(), runner.stats()
                 time.sleep(0.2)
