@@ -183,6 +183,13 @@ class ModelShape:
     #: q, k and v projections carry a bias (Qwen2), or not (Llama, Mistral)
     qkv_bias: bool
 
+    def as_config(self) -> dict[str, Any]:
+        """The `config.json` fields the generation planners read (`kv_cache`)."""
+        return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim}
+
     @classmethod
     def from_config(cls, config: dict[str, Any], *, name: str = "") -> ModelShape:
         """From the dict of a Hugging Face `config.json`."""
@@ -948,13 +955,9 @@ def _add_paged_pool_terms(plan: MemoryPlan, compute: int, backend: BackendDefaul
                                   job.gpu_memory_utilization)
     else:
         budget = int(backend.cpu_kv_cache_mb * MiB)
-    config = {"hidden_size": shape.hidden_size, "vocab_size": shape.vocab_size,
-              "intermediate_size": shape.intermediate_size,
-              "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
-              "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim}
     try:
         pool = plan_paged_pool(
-            config, device="cuda" if job.on_gpu else "cpu", dtype_bytes=compute,
+            shape.as_config(), device="cuda" if job.on_gpu else "cpu", dtype_bytes=compute,
             max_request_tokens=job.sample_tokens, concurrency=concurrency,
             budget_bytes=budget, kernel=backend.paged_kernel,
             prefill_tokens=backend.gpu_prefill_tokens if job.on_gpu

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,12 +51,15 @@ def policy(tmp_path_factory: pytest.TempPathFactory) -> Policy:
 
 
 def paged(policy: Policy, *, temperature: float = 1.0, top_p: float = 1.0,
-          max_request_tokens: int = 512, concurrency: int = 16) -> PagedGenerator:
+          max_request_tokens: int = 512, concurrency: int = 16, **settings: Any
+          ) -> PagedGenerator:
+    """The paged backend on `policy`; `settings` replace `PagedSettings` fields."""
     return PagedGenerator(
         PolicyView.of(policy, temperature=temperature, top_p=top_p, seed=0),
-        PagedSettings(max_request_tokens=max_request_tokens, concurrency=concurrency,
-                      gpu_memory_utilization=0.9, cpu_kv_cache_mb=8,
-                      cpu_prefill_tokens=CHUNK, page_size=PAGE))
+        dataclasses.replace(PagedSettings(
+            max_request_tokens=max_request_tokens, concurrency=concurrency,
+            gpu_memory_utilization=0.9, cpu_kv_cache_mb=8, cpu_prefill_tokens=CHUNK,
+            page_size=PAGE), **settings))
 
 
 @pytest.fixture(scope="module")
@@ -374,10 +378,8 @@ def test_sliding_window_layers_read_only_their_window_as_the_reference(
 def test_a_pool_released_for_an_update_comes_back_and_serves_the_same(policy: Policy) -> None:
     """`keep_pool=False` (the memory plan says the pool does not fit beside the update):
     pause frees the pool, resume allocates it again, replies stay exact."""
-    gen = PagedGenerator(
-        PolicyView.of(policy, temperature=1.0, top_p=1.0, seed=0),
-        PagedSettings(max_request_tokens=256, concurrency=4, gpu_memory_utilization=0.9,
-                      cpu_kv_cache_mb=2, cpu_prefill_tokens=CHUNK, keep_pool=False))
+    gen = paged(policy, max_request_tokens=256, concurrency=4, cpu_kv_cache_mb=2,
+                page_size=None, keep_pool=False)
     ids = {0: prompt(policy, 40, fill="pool ")}
     gen.start()
     try:
